@@ -1,0 +1,402 @@
+"""The measurement blocks both harnesses run (throughput, latency, openloop, workers, threads, recording,
+roundtrips), the command line they share, and the smoke check. A harness supplies the database, the workload,
+its calls and how to count round trips; this module does the rest (bench/README.md says what each block is)."""
+import argparse
+import atexit
+import os
+import sys
+import time
+import uuid
+
+import harness as H
+import targets as T
+
+BLOCKS = ('dbonly', 'throughput', 'latency', 'openloop', 'workers', 'threads', 'recording', 'roundtrips')
+OPEN_FRACTIONS = (0.25, 0.50, 0.75, 0.90, 1.00, 1.10)
+
+
+def parse_args(description, default_out, extra=None):
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument('blocks', nargs='*', help=f'blocks to run (default all): {", ".join(BLOCKS)}')
+    p.add_argument('--targets', default='peer,qag,floor',
+                   help='comma list of: peer, peer_cache, qag, qag_plane, floor_pg, floor_hello; groups: '
+                        'peers (both peer modes), floor (both floors), all. Default peer,qag,floor '
+                        '("peer" alone means both peer modes, with and without the metadata cache)')
+    p.add_argument('--no-peer', action='store_true', help='skip both peer targets (no venv build)')
+    p.add_argument('--gateway-cpus', default='0', help='taskset list for every gateway and floor (default 0)')
+    p.add_argument('--load-cpus', default='1', help='taskset list for oha and pgbench (default 1)')
+    p.add_argument('--db-cpus', default='', help='taskset list applied to the running database server processes '
+                                               'for the session and restored after (default: leave unpinned)')
+    p.add_argument('--rounds', type=int, default=5)
+    p.add_argument('--duration', type=float, default=10.0, help='seconds per closed-loop run (seeds: 30)')
+    p.add_argument('--warmup', type=float, default=3.0, help='seconds of warm-up at 8 callers before each run')
+    p.add_argument('--open-duration', type=float, default=10.0, help='seconds per open-loop rate (seeds: 20)')
+    p.add_argument('--open-rounds', type=int, default=None, help='rounds for openloop (default --rounds)')
+    p.add_argument('--health-secs', type=float, default=5.0, help='seconds of the /health floor around each block')
+    p.add_argument('--callers', type=int, default=32)
+    p.add_argument('--scale-callers', type=int, default=64, help='callers in the workers block')
+    p.add_argument('--workers-list', default='', help='worker counts for the workers block (default 1..#gateway CPUs)')
+    p.add_argument('--threads-list', default='1,2,4,8')
+    p.add_argument('--settle', type=float, default=11.0,
+                   help='seconds to wait for PostgreSQL to publish idle backends\' statistics (roundtrips block)')
+    p.add_argument('--out', default=default_out, help='results.jsonl to append to')
+    p.add_argument('--oha', default=None, help='path to oha (else PATH or ~/.cargo/bin/oha)')
+    p.add_argument('--smoke', action='store_true',
+                   help='every block for ~2 s, 1 round; checks completion and zero non-2xx, never speed')
+    p.add_argument('--keep-going', action='store_true', help='log a failed run and continue')
+    if extra:
+        extra(p)
+    opts = p.parse_args()
+    opts.gateway_cpus = H.parse_cpus(opts.gateway_cpus)
+    opts.load_cpus = H.parse_cpus(opts.load_cpus)
+    opts.db_cpus = H.parse_cpus(opts.db_cpus)
+    if opts.smoke:
+        opts.rounds, opts.open_rounds = 1, 1
+        opts.duration, opts.warmup, opts.open_duration, opts.health_secs = 2.0, 0.5, 1.5, 1.0
+        opts.settle = 2.0
+        opts.threads_list = '1,8'
+    opts.open_rounds = opts.open_rounds or opts.rounds
+    for b in opts.blocks:
+        if b not in BLOCKS:
+            p.error(f'unknown block {b!r}; choose from {", ".join(BLOCKS)}')
+    opts.blocks = opts.blocks or list(BLOCKS)
+    names = T.expand_targets(opts.targets)
+    if opts.no_peer:
+        names = [n for n in names if not n.startswith('peer')]
+    opts.target_names = names
+    return opts
+
+
+class Bench:
+    """One session of one harness: targets, the results file, the floors around each block."""
+
+    def __init__(self, opts, harness_name, workload, calls, db_comms, roundtrip_counter=None, dbonly=None):
+        self.opts, self.workload, self.calls = opts, workload, calls
+        self.db_comms = db_comms
+        self.roundtrip_counter = roundtrip_counter
+        self.dbonly = dbonly
+        self.oha = H.find_oha(opts.oha)
+        if not self.oha:
+            H.die(H.OHA_HELP)
+        if any(n.startswith('peer') for n in opts.target_names):
+            T.Peer.ensure_venv()
+        session = time.strftime('%Y%m%dT%H%M%SZ', time.gmtime()) + '-' + uuid.uuid4().hex[:6]
+        common = {'gateway_cpus': H.cpu_list(opts.gateway_cpus), 'load_cpus': H.cpu_list(opts.load_cpus),
+                  'db_cpus': H.cpu_list(opts.db_cpus) or 'unpinned', 'smoke': opts.smoke, 'nproc': os.cpu_count()}
+        self.results = H.Results(opts.out, session, harness_name, common)
+        self.targets = [T.make_target(n, opts, workload) for n in opts.target_names]
+        self.health_target = T.FloorHello(opts, workload)
+        self.health_target.name = 'health_floor'
+        self.failures = []
+        self.rotation = 0  # carried across the parts of a block, so no target always gets the first slot
+        self._db_affinity = None
+        atexit.register(self.close)
+
+    # ---------------------------------------------------------------- plumbing
+    def close(self):
+        for t in self.targets + [self.health_target]:
+            try:
+                t.stop()
+            except Exception:  # noqa: BLE001
+                pass
+        self.restore_db_cpus()
+
+    def pin_db(self):
+        if not self.opts.db_cpus:
+            return
+        stats = H.all_stats()
+        pids = list(H.comm_ticks(self.db_comms, stats))
+        self._db_affinity = {pid: os.sched_getaffinity(pid) for pid in pids}
+        for pid in pids:
+            try:
+                os.sched_setaffinity(pid, self.opts.db_cpus)
+            except OSError:
+                pass
+        H.progress(f'database processes {len(pids)} pinned to {H.cpu_list(self.opts.db_cpus)}')
+
+    def restore_db_cpus(self):
+        if not self._db_affinity:
+            return
+        for pid, cpus in self._db_affinity.items():
+            try:
+                os.sched_setaffinity(pid, cpus)
+            except OSError:
+                pass
+        self._db_affinity = None
+
+    def measured(self, target, call, *, conns, duration, rate=None, warm=True):
+        """One run against a started target: warm-up, then oha with CPU snapshots around it."""
+        url = H.regex_escape_base(target.base) + target.path(call)
+        headers = target.headers(call)
+        if warm and self.opts.warmup > 0:
+            H.run_oha(self.oha, url, duration=self.opts.warmup, conns=min(8, conns), headers=headers,
+                      load_cpus=self.opts.load_cpus, method=call.method)
+        s0 = H.all_stats()
+        b0 = H.system_busy()
+        gw0, db0 = target.ticks(s0), H.comm_ticks(self.db_comms, s0)
+        r = H.run_oha(self.oha, url, duration=duration, conns=conns, headers=headers, rate=rate,
+                      load_cpus=self.opts.load_cpus, method=call.method)
+        s1 = H.all_stats()
+        b1 = H.system_busy()
+        gw1, db1 = target.ticks(s1), H.comm_ticks(self.db_comms, s1)
+        gw = H.delta_seconds(gw0, gw1)
+        r.update({
+            'gw_cpu_s': round(gw, 3), 'gw_cores': round(gw / max(r['duration_s'], 1e-9), 3),
+            'db_cpu_s': round(H.delta_seconds(db0, db1), 3),
+            'calls_per_gw_cpu_s': round(r['n'] / gw, 1) if gw > 0 else None,
+            'gw_cpu_us_per_call': round(gw * 1e6 / r['n'], 1) if r['n'] else None,
+            'cpu_busy': H.busy_fraction(b0, b1, None),
+        })
+        return r
+
+    def record(self, block, target, call, round_no, r, **extra):
+        row = self.results.add(block=block, target=target.name, call=call.name, query=call.query, key=call.key,
+                               round=round_no, workers=target.workers, threads=target.threads, **extra, **r)
+        H.progress(f'[{block}] r{round_no} {target.name:12s} {call.name:16s} ' +
+                   ' '.join(f'{k}={v}' for k, v in extra.items()) + ' ' + H.fmt_run(row))
+        if row.get('non_2xx') or row.get('errors'):
+            H.progress(f'  !! non-2xx {row.get("codes")} errors {row.get("error_kinds")}')
+        return row
+
+    def fail(self, block, what, exc):
+        msg = f'[{block}] {what}: {exc}'
+        self.failures.append(msg)
+        H.progress('FAILED ' + msg)
+        if not self.opts.keep_going and not self.opts.smoke:
+            raise exc
+
+    def health_floor(self, block, when):
+        t = self.health_target
+        try:
+            t.start(workers=1, threads=8)
+            r = self.measured(t, T.HELLO, conns=self.opts.callers, duration=self.opts.health_secs, warm=False)
+            self.record('health', t, T.HELLO, 0, r, around=block, when=when)
+        except Exception as exc:  # noqa: BLE001
+            self.fail('health', f'floor {when} {block}', exc)
+        finally:
+            t.stop()
+
+    def supporting(self, call, kinds=('gateway', 'floor')):
+        return [t for t in self.targets if t.kind in kinds and t.supports(call)]
+
+    def start(self, target, **kw):
+        target.start(**kw)
+
+    def stop_all(self):
+        for t in self.targets:
+            t.stop()
+
+    # ---------------------------------------------------------------- blocks
+    def run(self):
+        H.progress(f'session {self.results.session}: targets {", ".join(t.name for t in self.targets)}; '
+                   f'blocks {", ".join(self.opts.blocks)}; gateway CPUs {H.cpu_list(self.opts.gateway_cpus)}, '
+                   f'load CPUs {H.cpu_list(self.opts.load_cpus)}, db CPUs {H.cpu_list(self.opts.db_cpus) or "unpinned"}')
+        self.pin_db()
+        try:
+            for block in self.opts.blocks:
+                if block == 'dbonly':
+                    if self.dbonly:
+                        self.dbonly(self)
+                    continue
+                self.health_floor(block, 'before')
+                t0 = time.time()
+                try:
+                    getattr(self, 'block_' + block)()
+                except Exception as exc:  # noqa: BLE001
+                    self.fail(block, 'block aborted', exc)
+                finally:
+                    self.stop_all()
+                H.progress(f'[{block}] done in {time.time() - t0:.0f}s')
+                self.health_floor(block, 'after')
+        finally:
+            self.close()
+        return self.check()
+
+    def _closed_block(self, block, calls, conns):
+        """Each call, each round, the targets that serve it in rotated order; one worker each."""
+        for call in calls:
+            tgts = self.supporting(call)
+            for rnd in range(self.opts.rounds):
+                for t in H.rotated(tgts, self.rotation):
+                    try:
+                        self.start(t, workers=1)
+                        r = self.measured(t, call, conns=conns, duration=self.opts.duration)
+                        self.record(block, t, call, rnd, r, conns=conns)
+                    except Exception as exc:  # noqa: BLE001
+                        self.fail(block, f'{t.name} {call.name}', exc)
+                self.rotation += 1
+
+    def block_throughput(self):
+        """Closed loop at --callers (32): the calls/s and gateway CPU per call of every target."""
+        self._closed_block('throughput', self.calls, self.opts.callers)
+
+    def block_latency(self):
+        """One caller at a time: p50/p99 of a single call (the lookups and the hello floor)."""
+        calls = [c for c in self.calls if c.name.startswith(('lookup', 'customer', 'hello'))]
+        self._closed_block('latency', calls, 1)
+
+    def _capacity(self, target, call):
+        """Closed-loop capacity at --callers from this session's throughput block, or measured now."""
+        rows = [r['rps'] for r in self.results.rows if r['block'] in ('throughput', 'capacity')
+                and r['target'] == target.name and r['call'] == call.name and not r.get('non_2xx')]
+        if not rows:
+            for rnd in range(max(1, min(self.opts.rounds, 3))):
+                self.start(target, workers=1)
+                r = self.measured(target, call, conns=self.opts.callers, duration=self.opts.duration)
+                rows.append(self.record('capacity', target, call, rnd, r, conns=self.opts.callers)['rps'])
+        return H.med(rows)
+
+    def block_openloop(self):
+        """Latency against offered load: 25-110% of each target's capacity, open loop, latency corrected."""
+        call = self.calls_by_prefix('lookup', 'customer')[0]
+        tgts = [t for t in self.supporting(call) if t.name != 'floor_hello']
+        caps = {}
+        for t in tgts:
+            try:
+                caps[t.name] = self._capacity(t, call)
+            except Exception as exc:  # noqa: BLE001
+                self.fail('openloop', f'{t.name} capacity', exc)
+        for frac in OPEN_FRACTIONS:
+            for rnd in range(self.opts.open_rounds):
+                for t in H.rotated(tgts, self.rotation):
+                    if not caps.get(t.name):
+                        continue
+                    rate = max(1, int(round(caps[t.name] * frac)))
+                    try:
+                        self.start(t, workers=1)
+                        r = self.measured(t, call, conns=128, duration=self.opts.open_duration, rate=rate)
+                        self.record('openloop', t, call, rnd, r, conns=128, frac=frac, offered=rate,
+                                    capacity=round(caps[t.name], 1))
+                    except Exception as exc:  # noqa: BLE001
+                        self.fail('openloop', f'{t.name} {frac}', exc)
+                self.rotation += 1
+
+    def block_workers(self):
+        """Workers 1..N (one per gateway CPU by default) at --scale-callers: how each target scales."""
+        ncpu = max(1, len(self.opts.gateway_cpus) or os.cpu_count())
+        counts = [int(x) for x in self.opts.workers_list.split(',')] if self.opts.workers_list else \
+            list(range(1, ncpu + 1))
+        call = self.calls_by_prefix('lookup', 'customer')[0]
+        tgts = [t for t in self.supporting(call) if t.name != 'floor_hello']
+        for w in counts:
+            for rnd in range(self.opts.rounds):
+                for t in H.rotated(tgts, self.rotation):
+                    try:
+                        self.start(t, workers=w)
+                        r = self.measured(t, call, conns=self.opts.scale_callers, duration=self.opts.duration)
+                        self.record('workers', t, call, rnd, r, conns=self.opts.scale_callers)
+                    except Exception as exc:  # noqa: BLE001
+                        self.fail('workers', f'{t.name} {w}w', exc)
+                self.rotation += 1
+            self.stop_all()
+
+    def block_threads(self):
+        """Threads per worker (1, 2, 4, 8), one worker, the lookup at --callers."""
+        call = self.calls_by_prefix('lookup', 'customer')[0]
+        tgts = [t for t in self.supporting(call) if t.name != 'floor_hello']
+        for th in [int(x) for x in self.opts.threads_list.split(',')]:
+            for rnd in range(self.opts.rounds):
+                for t in H.rotated(tgts, self.rotation):
+                    try:
+                        self.start(t, workers=1, threads=th)
+                        r = self.measured(t, call, conns=self.opts.callers, duration=self.opts.duration)
+                        self.record('threads', t, call, rnd, r, conns=self.opts.callers)
+                    except Exception as exc:  # noqa: BLE001
+                        self.fail('threads', f'{t.name} {th}t', exc)
+                self.rotation += 1
+            self.stop_all()
+
+    def block_recording(self):
+        """Every run accounted for: after a run, the gateway's history must hold each call oha completed
+        (and at most the ones still in flight when the run ended on top)."""
+        calls = [c for c in self.calls if c.key is not None]
+        tgts = [t for t in self.targets if t.kind == 'gateway']
+        for rnd in range(self.opts.rounds):
+            for call in calls[:2]:
+                for t in H.rotated(tgts, self.rotation):
+                    try:
+                        self.start(t, workers=1)
+                        # warm-up first, then a gap past a whole second, so the counted window (history's
+                        # `since` has one-second resolution) holds only the measured run's calls
+                        self.measured(t, call, conns=8, duration=self.opts.warmup or 0.5, warm=False)
+                        time.sleep(1.2)
+                        since = int(time.time())
+                        r = self.measured(t, call, conns=self.opts.callers, duration=self.opts.duration, warm=False)
+                        recorded = None
+                        t0 = time.time()
+                        while time.time() - t0 < 15:
+                            recorded = t.count_runs(since)
+                            if recorded is None or recorded >= r['n']:
+                                break
+                            time.sleep(0.5)
+                        waited = round(time.time() - t0, 2)
+                        slack = r['n'] + r['aborted'] + self.opts.callers
+                        ok = recorded is not None and r['n'] <= recorded <= slack
+                        self.record('recording', t, call, rnd, r, conns=self.opts.callers, recorded=recorded,
+                                    accounted=ok, must_record=t.records_every_run, record_wait_s=waited)
+                        if recorded is not None and not ok:
+                            H.progress(f'  !! {t.name}: {recorded} runs recorded for {r["n"]} completed calls')
+                    except Exception as exc:  # noqa: BLE001
+                        self.fail('recording', f'{t.name} {call.name}', exc)
+                self.rotation += 1
+
+    def block_roundtrips(self):
+        """Round trips per call, counted from the databases' statistics (not assumed): transactions (PostgreSQL
+        pg_stat_database) or statements (MariaDB Questions/Com_select) per completed call, data db and store."""
+        if not self.roundtrip_counter:
+            return
+        calls = [c for c in self.calls if c.key is not None]
+        for call in calls:
+            tgts = [t for t in self.supporting(call) if t.name != 'floor_hello']
+            for rnd in range(max(1, min(self.opts.rounds, 3))):
+                for t in H.rotated(tgts, self.rotation):
+                    try:
+                        self.start(t, workers=1)
+                        self.measured(t, call, conns=8, duration=self.opts.warmup or 0.5, warm=False)
+                        time.sleep(self.opts.settle)
+                        c0 = self.roundtrip_counter(t)
+                        r = self.measured(t, call, conns=self.opts.callers, duration=self.opts.duration, warm=False)
+                        # stopping the target ends its sessions, which makes PostgreSQL publish their statistics
+                        t.stop()
+                        time.sleep(1.0)
+                        c1 = self.roundtrip_counter(t)
+                        per = {k: round((c1[k] - c0[k]) / max(r['n'], 1), 3) for k in c0 if k in c1}
+                        self.record('roundtrips', t, call, rnd, r, conns=self.opts.callers, per_call=per)
+                    except Exception as exc:  # noqa: BLE001
+                        self.fail('roundtrips', f'{t.name} {call.name}', exc)
+                self.rotation += 1
+
+    def calls_by_prefix(self, *prefixes):
+        return [c for c in self.calls if c.name.startswith(prefixes)]
+
+    # ---------------------------------------------------------------- smoke check
+    def check(self):
+        rows = [r for r in self.results.rows]
+        bad = [r for r in rows if r.get('non_2xx') or r.get('errors')]
+        # only a gateway that promises every run recorded (qag) fails the check; the peer keeps each version's
+        # newest QUERYAPIGATE_HISTORY_LIMIT runs by default, and is reported as measured.
+        unaccounted = [r for r in rows if r['block'] == 'recording' and r.get('must_record')
+                       and not r.get('accounted')]
+        empty = [r for r in rows if r.get('n', 0) == 0]
+        H.progress(f'{len(rows)} runs written to {self.opts.out}; {len(bad)} with non-2xx or errors; '
+                   f'{len(unaccounted)} recording mismatches; {len(self.failures)} failures')
+        missing = []
+        for block in self.opts.blocks:
+            if block in ('dbonly',) or (block == 'roundtrips' and not self.roundtrip_counter):
+                continue
+            if not any(r['block'] == block for r in rows):
+                missing.append(block)
+        for f in self.failures:
+            print('  failure:', f)
+        for r in bad:
+            print(f"  non-2xx: [{r['block']}] {r['target']} {r['call']}: {r.get('codes')} {r.get('error_kinds')}")
+        if missing:
+            print('  blocks with no runs:', ', '.join(missing))
+        ok = not (bad or self.failures or missing or empty or unaccounted)
+        if self.opts.smoke:
+            print('SMOKE', 'PASSED' if ok else 'FAILED', flush=True)
+        return 0 if ok else 1
+
+
+def main_exit(code):
+    sys.exit(code)
