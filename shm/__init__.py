@@ -1,0 +1,14 @@
+"""qag's shared-memory segment: generations, a shared cache, per-slot rings and counters (layout: shm/LAYOUT.md).
+
+Python-only, standalone (posix_ipc, mmap, struct, msgpack); the Rust data plane reads the same bytes.
+"""
+from .entry import entry_current, pack_entry, unpack_entry
+from .layout import DEFAULT_SIZE, HIST_BOUNDS, MAJOR, MINOR
+from .lock import LockTimeout
+from .ring import Ring, RingError
+from .segment import LayoutError, Segment, SegmentFull, segment_name
+
+__all__ = [
+    "Segment", "LayoutError", "SegmentFull", "LockTimeout", "Ring", "RingError", "segment_name",
+    "pack_entry", "unpack_entry", "entry_current", "HIST_BOUNDS", "DEFAULT_SIZE", "MAJOR", "MINOR",
+]

@@ -1,0 +1,651 @@
+"""The instance's shared-memory segment: generations, the shared cache, counters, slot metadata and rings.
+
+The byte layout is shm/LAYOUT.md (normative); the section each method implements is named in its docstring.
+"""
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import time
+import zlib
+from bisect import bisect_left
+from typing import Any, Iterable
+
+import msgpack
+import posix_ipc
+
+from . import layout as L
+from .fence import fence
+from .lock import LockTimeout, WriterLock, owner_alive, proc_start
+from .ring import Ring
+
+CACHE_READ_RETRIES = 64  # LAYOUT.md [Cache] C4: a reader never waits for a writer; after this many tries it is a miss
+_crc32 = zlib.crc32
+_HIST_N = len(L.HIST_BOUNDS)
+
+
+class LayoutError(RuntimeError):
+    """The segment is missing, not initialised, or of a layout this build does not read."""
+
+
+class SegmentFull(RuntimeError):
+    """A fixed table of the segment (series, counter cells) has no room left."""
+
+
+def segment_name(instance: str) -> str:
+    """The POSIX name of an instance's segment, e.g. segment_name(f"{QAG_HOME}|{bind}") -> "/qag-3f2a…"."""
+    return "/qag-" + hashlib.blake2b(instance.encode(), digest_size=8).hexdigest()
+
+
+def _sem_names(name: str) -> tuple[str, str]:
+    return name + "-w", name + "-r"  # LAYOUT.md [Writer lock]
+
+
+def _check_name(name: str) -> None:
+    if not name.startswith("/") or "/" in name[1:] or len(name) > 200:
+        raise ValueError(f"segment name must look like '/qag-…' (one leading slash), got {name!r}")
+
+
+def _unlink_quietly(name: str) -> None:
+    for unlink in (posix_ipc.unlink_shared_memory,):
+        try:
+            unlink(name)
+        except posix_ipc.ExistentialError:
+            pass
+    for sem in _sem_names(name):
+        try:
+            posix_ipc.unlink_semaphore(sem)
+        except posix_ipc.ExistentialError:
+            pass
+
+
+def _write_header(q: memoryview, mm: Any, g: L.Geometry, pid: int, start: int, now_ns: int) -> None:
+    """LAYOUT.md [Header]: every field but the magic word, which the caller stores last."""
+    U32, U64 = L.U32, L.U64
+    U64.pack_into(mm, L.H_TOTAL_SIZE, g.size)
+    U64.pack_into(mm, L.H_CREATED_AT_NS, now_ns)
+    U32.pack_into(mm, L.H_CREATOR_PID, pid)
+    U32.pack_into(mm, L.H_SLOTS, g.slots)
+    U32.pack_into(mm, L.H_HEADER_SIZE, L.HEADER_SIZE)
+    U32.pack_into(mm, L.H_REGION_COUNT, L.REGION_COUNT)
+    U64.pack_into(mm, L.H_CREATOR_START, start)
+    for off, value in (
+        (L.H_GEN_SLOTS, g.gen_slots), (L.H_CACHE_SLOT_COUNT, g.cache_slot_count),
+        (L.H_CACHE_SLOT_SIZE, g.cache_slot_size), (L.H_CACHE_WAYS, L.CACHE_WAYS),
+        (L.H_RING_CAPACITY, g.ring_capacity), (L.H_RING_HEADER_SIZE, L.RING_HEADER_SIZE),
+        (L.H_SERIES_MAX, g.series_max), (L.H_SERIES_ENTRY_SIZE, L.SERIES_ENTRY_SIZE),
+        (L.H_CELLS_PER_SLOT, g.cells_per_slot), (L.H_SLOT_META_SIZE, L.SLOT_META_SIZE),
+        (L.H_HIST_BUCKETS, _HIST_N), (L.H_RING_STRIDE, g.ring_stride),
+    ):
+        U32.pack_into(mm, off, value)
+    for i, (off, size) in enumerate(g.regions):
+        L.REGION.pack_into(mm, L.H_REGIONS + 16 * i, off, size)
+    for i, bound in enumerate(L.HIST_BOUNDS):
+        L.F64.pack_into(mm, L.H_HIST_BOUNDS + 8 * i, bound)
+
+
+def _read_geometry(mm: Any, size: int) -> L.Geometry:
+    u32 = lambda off: L.U32.unpack_from(mm, off)[0]  # noqa: E731
+    total = L.U64.unpack_from(mm, L.H_TOTAL_SIZE)[0]
+    if total != size:
+        raise LayoutError(f"segment header says {total} bytes but the object has {size}")
+    slots = u32(L.H_SLOTS)
+    regions = tuple(L.REGION.unpack_from(mm, L.H_REGIONS + 16 * i) for i in range(u32(L.H_REGION_COUNT)))
+    if len(regions) < L.REGION_COUNT or any(off + sz > size for off, sz in regions):
+        raise LayoutError("segment region table is inconsistent with its size")
+    return L.Geometry(size, slots, u32(L.H_GEN_SLOTS), u32(L.H_SERIES_MAX), u32(L.H_CELLS_PER_SLOT),
+                      u32(L.H_CACHE_SLOT_SIZE), u32(L.H_CACHE_SLOT_COUNT), u32(L.H_RING_CAPACITY),
+                      u32(L.H_RING_STRIDE), regions[:L.REGION_COUNT])
+
+
+class _BufferLock:
+    """The writers' lock for a segment in a private buffer (golden vectors): one process, a fixed owner."""
+
+    __slots__ = ("q", "pid", "clock", "held")
+
+    def __init__(self, q: memoryview, pid: int, clock: Any) -> None:
+        self.q, self.pid, self.clock, self.held = q, pid, clock, False
+
+    def acquire(self, timeout: float = 5.0) -> None:
+        q = self.q
+        q[L.L_OWNER_PID // 8] = self.pid
+        q[L.L_ACQUIRED_AT_NS // 8] = self.clock()
+        q[L.L_SEQ // 8] += 1
+        self.held = True
+
+    def release(self) -> None:
+        self.q[L.L_OWNER_PID // 8] = 0
+        self.held = False
+
+    def __enter__(self) -> "_BufferLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class Segment:
+    """A mapped segment. Make one with Segment.create (the arbiter) or Segment.attach (everyone else)."""
+
+    def __init__(self, name: str, mm: Any, geometry: L.Geometry) -> None:
+        self.name = name
+        self.geometry = g = geometry
+        self.slots = g.slots
+        self._mm = mm
+        self._mv = memoryview(mm)
+        self._q = self._mv.cast("Q")  # native = little-endian (layout.py refuses big-endian hosts)
+        self._d = self._mv.cast("d")
+        self._i = self._mv.cast("I")
+        self._sems: tuple[Any, ...] = ()
+        self._lock: Any = None
+        self._clock = time.time_ns
+        self._rings: dict[int, Ring] = {}
+        # generations [Generations]
+        gen_off = g.region("generations")[0]
+        self._gen_mask = g.gen_slots - 1
+        self._gen_base = {k: gen_off // 8 + i * g.gen_slots for i, k in enumerate(L.GEN_KINDS)}
+        # cache [Cache]
+        self._cache_off = g.region("cache")[0]
+        self._cache_sets = g.cache_slot_count // L.CACHE_WAYS
+        self._cache_room = g.cache_slot_size - L.CACHE_SLOT_HEADER
+        self._hits = self._misses = self._torn = 0
+        # counters [Series], [Counters]
+        self._series_off = g.region("series")[0]
+        self._cells_base = g.region("counters")[0] // 8
+        self._local: dict[int, dict[tuple, int]] = {L.KIND_COUNTER: {}, L.KIND_GAUGE: {}, L.KIND_HISTOGRAM: {}}
+        self._by_norm: dict[tuple, tuple[int, int]] = {}  # (name, sorted labels) -> (kind, cell)
+        self._decoded: list[tuple[int, str, tuple, int, int]] = []  # (kind, name, labels, cell, ncells)
+        self._slot_meta_off = g.region("slot_meta")[0]
+
+    # ---- life ----------------------------------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, name: str, size: int | None = None, slots: int = 16, *,
+               cache_slot_size: int = L.CACHE_SLOT_SIZE, force: bool = False) -> "Segment":
+        """LAYOUT.md [Life]: make the segment, replacing a stale one (its creator is dead); magic word last."""
+        _check_name(name)
+        g = L.geometry(size, slots, cache_slot_size)
+        try:
+            old = posix_ipc.SharedMemory(name)
+        except posix_ipc.ExistentialError:
+            old = None
+        if old is not None:
+            try:
+                if old.size >= L.HEADER_SIZE and not force:
+                    with mmap.mmap(old.fd, L.HEADER_SIZE) as hm:
+                        pid = L.U32.unpack_from(hm, L.H_CREATOR_PID)[0]
+                        start = L.U64.unpack_from(hm, L.H_CREATOR_START)[0]
+                    if pid and pid != os.getpid() and owner_alive(pid, start):
+                        raise LayoutError(f"segment {name} belongs to a running instance (creator pid {pid})")
+            finally:
+                old.close_fd()
+        _unlink_quietly(name)
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=g.size)
+        try:
+            mm = mmap.mmap(shm.fd, g.size)
+        finally:
+            shm.close_fd()
+        w, r = _sem_names(name)
+        sems = (posix_ipc.Semaphore(w, posix_ipc.O_CREX, mode=0o600, initial_value=1),
+                posix_ipc.Semaphore(r, posix_ipc.O_CREX, mode=0o600, initial_value=1))
+        pid = os.getpid()
+        seg = cls(name, mm, g)
+        _write_header(seg._q, mm, g, pid, proc_start(pid), time.time_ns())
+        fence()  # every header field before the magic word (LAYOUT.md [Header] H1)
+        seg._q[0] = L.MAGIC | L.MAJOR << 32 | L.MINOR << 48
+        seg._sems = sems
+        seg._lock = WriterLock(sems[0], sems[1], seg._q, seg._after_takeover)
+        return seg
+
+    @classmethod
+    def attach(cls, name: str) -> "Segment":
+        """LAYOUT.md [Life]: map an existing segment; refuse a different major version, naming both."""
+        _check_name(name)
+        try:
+            shm = posix_ipc.SharedMemory(name)
+        except posix_ipc.ExistentialError:
+            raise LayoutError(f"no shared-memory segment named {name}") from None
+        try:
+            size = shm.size
+            if size < L.HEADER_SIZE:
+                raise LayoutError(f"segment {name} is {size} bytes, smaller than its header")
+            mm = mmap.mmap(shm.fd, size)
+        finally:
+            shm.close_fd()
+        try:
+            word = L.U64.unpack_from(mm, 0)[0]
+            magic, major, minor = word & 0xFFFFFFFF, word >> 32 & 0xFFFF, word >> 48
+            if magic == 0:
+                raise LayoutError(f"segment {name} is not initialised (its creator is still writing it, or died)")
+            if magic != L.MAGIC:
+                raise LayoutError(f"segment {name} has magic {magic:#010x}, expected {L.MAGIC:#010x}: not a qag segment")
+            if major != L.MAJOR:
+                raise LayoutError(f"segment {name} has layout version {major}.{minor}, but this shm reads version "
+                                  f"{L.MAJOR}.{L.MINOR}: major versions differ; restart the instance")
+            fence()  # magic word before the header fields it publishes (H1)
+            g = _read_geometry(mm, size)
+        except BaseException:
+            mm.close()
+            raise
+        w, r = _sem_names(name)
+        try:
+            sems = (posix_ipc.Semaphore(w), posix_ipc.Semaphore(r))
+        except posix_ipc.ExistentialError:
+            mm.close()
+            raise LayoutError(f"segment {name} exists but its writer lock {w} does not (a stale, half-removed segment)")
+        seg = cls(name, mm, g)
+        seg._sems = sems
+        seg._lock = WriterLock(sems[0], sems[1], seg._q, seg._after_takeover)
+        return seg
+
+    @classmethod
+    def in_buffer(cls, buf: bytearray, slots: int = 2, *, pid: int = 4242, now_ns: int = 1_700_000_000_000_000_000,
+                  cache_slot_size: int = L.CACHE_SLOT_SIZE) -> "Segment":
+        """A segment formatted in a private buffer with a fixed pid and clock: the golden vectors (shm.vectors)."""
+        g = L.geometry(len(buf), slots, cache_slot_size)
+        seg = cls("(buffer)", buf, g)
+        seg._clock = lambda: now_ns
+        _write_header(seg._q, buf, g, pid, 0, now_ns)
+        seg._q[0] = L.MAGIC | L.MAJOR << 32 | L.MINOR << 48
+        seg._lock = _BufferLock(seg._q, pid, seg._clock)
+        return seg
+
+    def close(self) -> None:
+        """Unmap (the segment stays for the other processes)."""
+        if self._mv is None:
+            return
+        self._rings.clear()
+        for view in (self._q, self._d, self._i, self._mv):
+            view.release()
+        self._mv = None  # type: ignore[assignment]
+        if isinstance(self._mm, mmap.mmap):
+            self._mm.close()
+        for sem in self._sems:
+            sem.close()
+        self._sems = ()
+
+    def unlink(self) -> None:
+        """Remove the names (clean stop); mapped processes keep their mapping until they close."""
+        _unlink_quietly(self.name)
+
+    def __enter__(self) -> "Segment":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def version(self) -> str:
+        word = self._q[0]
+        return f"{word >> 32 & 0xFFFF}.{word >> 48}"
+
+    def _after_takeover(self) -> None:
+        """LAYOUT.md [Writer lock] K4: the dead owner may have left one cache slot odd; discard it."""
+        q = self._q
+        dirty = q[L.L_DIRTY_CACHE_SLOT // 8]
+        if dirty:
+            self._discard_if_odd(self._cache_off + (dirty - 1) * self.geometry.cache_slot_size)
+            q[L.L_DIRTY_CACHE_SLOT // 8] = 0
+
+    # ---- generations [Generations] --------------------------------------------------------------------------
+
+    def gen_index(self, kind: str, ident: str) -> int:
+        """The u64 index (offset / 8) of ident's generation slot: callers may keep it and use gen_at()."""
+        return self._gen_base[kind] + (_crc32(ident.encode()) & self._gen_mask)
+
+    def gen(self, kind: str, ident: str) -> int:
+        return self._q[self._gen_base[kind] + (_crc32(ident.encode()) & self._gen_mask)]
+
+    def gen_at(self, index: int) -> int:
+        return self._q[index]
+
+    def global_gen(self) -> int:
+        return self._q[L.H_GLOBAL_GEN // 8]
+
+    def bump(self, kind: str, ident: str) -> int:
+        """G2: under the writers' lock, slot first, then the global generation; visible to all when this returns."""
+        i = self._gen_base[kind] + (_crc32(ident.encode()) & self._gen_mask)
+        q = self._q
+        with self._lock:
+            value = q[i] + 1
+            q[i] = value
+            fence()
+            q[L.H_GLOBAL_GEN // 8] += 1
+        return value  # the lock's sem_post is a locked RMW: the stores above are globally visible now
+
+    # ---- cache [Cache] --------------------------------------------------------------------------------------
+
+    def _slot_order(self, crc: int) -> Iterable[int]:
+        first = (crc % self._cache_sets) * L.CACHE_WAYS
+        home = (crc // self._cache_sets) % L.CACHE_WAYS
+        return [first + (home + k) % L.CACHE_WAYS for k in range(L.CACHE_WAYS)]
+
+    def cache_get(self, key: bytes) -> bytes | None:
+        """C3/C4: seqlock read, never blocks; a slot being written (or left odd by a dead writer) is a miss."""
+        crc = _crc32(key)
+        klen = len(key)
+        q, I, mm = self._q, self._i, self._mm  # noqa: E741
+        size = self.geometry.cache_slot_size
+        room = self._cache_room
+        sets = self._cache_sets
+        first = (crc % sets) * L.CACHE_WAYS
+        home = (crc // sets) % L.CACHE_WAYS
+        for k in range(L.CACHE_WAYS):
+            base = self._cache_off + (first + (home + k) % L.CACHE_WAYS) * size
+            if I[(base + L.CS_KEY_CRC) // 4] != crc or I[(base + L.CS_KEY_LEN) // 4] != klen:
+                continue
+            for _ in range(CACHE_READ_RETRIES):
+                s1 = q[base // 8]
+                if s1 & 1:
+                    continue
+                fence()
+                vlen = I[(base + L.CS_VALUE_LEN) // 4]
+                n = klen + vlen
+                data = mm[base + L.CACHE_SLOT_HEADER:base + L.CACHE_SLOT_HEADER + n] if n <= room else b""
+                k_now = I[(base + L.CS_KEY_LEN) // 4]
+                fence()
+                if q[base // 8] != s1:
+                    continue
+                if n > room or k_now != klen or data[:klen] != key:
+                    break  # a consistent slot holding another key
+                self._hits += 1
+                return data[klen:]
+            else:
+                self._torn += 1
+        self._misses += 1
+        return None
+
+    def _discard_if_odd(self, base: int) -> bool:
+        q, I = self._q, self._i  # noqa: E741
+        seq = q[base // 8]
+        if not seq & 1:
+            return False
+        if I[(base + L.CS_KEY_LEN) // 4]:
+            q[L.H_CACHE_USED // 8] -= 1
+        I[(base + L.CS_KEY_LEN) // 4] = 0
+        I[(base + L.CS_VALUE_LEN) // 4] = 0
+        I[(base + L.CS_KEY_CRC) // 4] = 0
+        fence()
+        q[base // 8] = seq + 1
+        q[L.H_CACHE_REPAIRS // 8] += 1
+        return True
+
+    def cache_put(self, key: bytes, value: bytes) -> bool:
+        """C2: under the writers' lock; same key overwrites, else an empty way, else the oldest (FIFO per set)."""
+        q, I, mm = self._q, self._i, self._mm  # noqa: E741
+        klen, vlen = len(key), len(value)
+        if klen == 0:
+            raise ValueError("cache key must not be empty")
+        if klen + vlen > self._cache_room:
+            with self._lock:
+                q[L.H_CACHE_REJECTS // 8] += 1
+            return False
+        crc = _crc32(key)
+        size = self.geometry.cache_slot_size
+        with self._lock:
+            target = empty = oldest = -1
+            oldest_stamp = 1 << 64
+            for slot in self._slot_order(crc):
+                base = self._cache_off + slot * size
+                self._discard_if_odd(base)  # a dead writer's leftover (K4), found on the way
+                n = I[(base + L.CS_KEY_LEN) // 4]
+                if n == 0:
+                    if empty < 0:
+                        empty = slot
+                    continue
+                if (n == klen and I[(base + L.CS_KEY_CRC) // 4] == crc
+                        and mm[base + L.CACHE_SLOT_HEADER:base + L.CACHE_SLOT_HEADER + klen] == key):
+                    target = slot
+                    break
+                stamp = q[(base + L.CS_STAMP) // 8]
+                if stamp < oldest_stamp:
+                    oldest, oldest_stamp = slot, stamp
+            if target < 0:
+                if empty >= 0:
+                    target = empty
+                    q[L.H_CACHE_USED // 8] += 1
+                else:
+                    target = oldest
+                    q[L.H_CACHE_EVICTIONS // 8] += 1
+            base = self._cache_off + target * size
+            puts = q[L.H_CACHE_PUTS // 8] + 1
+            q[L.L_DIRTY_CACHE_SLOT // 8] = target + 1
+            seq = q[base // 8]
+            q[base // 8] = seq + 1  # odd: readers stay out (C1)
+            fence()
+            L.CACHE_SLOT_FIELDS.pack_into(mm, base + L.CS_KEY_LEN, klen, vlen, puts, os.getpid() & 0xFFFFFFFF, crc)
+            start = base + L.CACHE_SLOT_HEADER
+            mm[start:start + klen] = key
+            mm[start + klen:start + klen + vlen] = value
+            fence()
+            q[base // 8] = seq + 2  # even again: published
+            q[L.L_DIRTY_CACHE_SLOT // 8] = 0
+            q[L.H_CACHE_PUTS // 8] = puts
+        return True
+
+    def cache_stats(self) -> dict[str, int]:
+        q, g = self._q, self.geometry
+        return {
+            "slots": g.cache_slot_count, "slot_size": g.cache_slot_size, "ways": L.CACHE_WAYS,
+            "max_entry": self._cache_room, "used": q[L.H_CACHE_USED // 8], "puts": q[L.H_CACHE_PUTS // 8],
+            "evictions": q[L.H_CACHE_EVICTIONS // 8], "repairs": q[L.H_CACHE_REPAIRS // 8],
+            "rejects": q[L.H_CACHE_REJECTS // 8],
+            # this process only: readers write nothing shared (every field has one writer)
+            "hits": self._hits, "misses": self._misses, "busy_misses": self._torn,
+        }
+
+    # ---- rings [Rings] --------------------------------------------------------------------------------------
+
+    def ring(self, slot: int) -> Ring:
+        r = self._rings.get(slot)
+        if r is None:
+            r = self._rings[slot] = Ring(self, slot)
+        return r
+
+    def ring_count(self) -> int:
+        return self.slots
+
+    # ---- counters [Series], [Counters] ----------------------------------------------------------------------
+
+    def _sync_series(self) -> None:
+        """Decode series entries other processes published since we last looked (S2)."""
+        count = self._q[L.H_SERIES_COUNT // 8]
+        fence()
+        mm = self._mm
+        for idx in range(len(self._decoded), count):
+            off = self._series_off + idx * L.SERIES_ENTRY_SIZE
+            cell, ncells, kind, _r, dlen = L.SE_FIELDS.unpack_from(mm, off)
+            name, labels = msgpack.unpackb(mm[off + L.SE_DESC:off + L.SE_DESC + dlen], raw=False)
+            norm = tuple((k, v) for k, v in labels)
+            self._decoded.append((kind, name, norm, cell, ncells))
+            self._by_norm[(name, norm)] = (kind, cell)
+
+    def _register(self, kind: int, name: str, labels: tuple) -> int:
+        norm = tuple(sorted((str(k), str(v)) for k, v in labels))
+        found = self._by_norm.get((name, norm))
+        if found is None:
+            self._sync_series()
+            found = self._by_norm.get((name, norm))
+        if found is None:
+            q = self._q
+            with self._lock:
+                self._sync_series()
+                found = self._by_norm.get((name, norm))
+                if found is None:
+                    g = self.geometry
+                    count, used = q[L.H_SERIES_COUNT // 8], q[L.H_CELLS_USED // 8]
+                    ncells = _HIST_N + 1 if kind == L.KIND_HISTOGRAM else 1
+                    if count >= g.series_max or used + ncells > g.cells_per_slot:
+                        raise SegmentFull(f"no room for series {name}{dict(norm)}: {count}/{g.series_max} series, "
+                                          f"{used}/{g.cells_per_slot} cells used")
+                    desc = msgpack.packb([name, [list(p) for p in norm]], use_bin_type=True)
+                    if len(desc) > L.SE_DESC_MAX:
+                        raise ValueError(f"series {name}{dict(norm)} is {len(desc)} bytes encoded, max {L.SE_DESC_MAX}")
+                    off = self._series_off + count * L.SERIES_ENTRY_SIZE
+                    self._mm[off:off + L.SERIES_ENTRY_SIZE] = bytes(L.SERIES_ENTRY_SIZE)
+                    L.SE_FIELDS.pack_into(self._mm, off, used, ncells, kind, 0, len(desc))
+                    self._mm[off + L.SE_DESC:off + L.SE_DESC + len(desc)] = desc
+                    q[L.H_CELLS_USED // 8] = used + ncells
+                    fence()  # the entry before the count that publishes it (S2)
+                    q[L.H_SERIES_COUNT // 8] = count + 1
+                    self._sync_series()
+                    found = self._by_norm[(name, norm)]
+        if found[0] != kind:
+            raise ValueError(f"series {name} is a {L.KIND_NAMES[found[0]]}, not a {L.KIND_NAMES[kind]}")
+        self._local[kind][(name, labels)] = found[1]
+        return found[1]
+
+    def _cell(self, slot: int, kind: int, name: str, labels: tuple) -> int:
+        if not 0 <= slot < self.slots:
+            raise IndexError(f"slot {slot} out of range 0..{self.slots - 1}")
+        cell = self._local[kind].get((name, labels))
+        if cell is None:
+            cell = self._register(kind, name, labels)
+        return self._cells_base + slot * self.geometry.cells_per_slot + cell
+
+    def counter_add(self, slot: int, name: str, labels: tuple = (), value: float = 1) -> None:
+        """N1: only slot's process writes its cells; f64 so rates and seconds fit as well as counts (exact < 2^53)."""
+        i = self._cell(slot, L.KIND_COUNTER, name, labels)
+        self._d[i] += value
+
+    def gauge_set(self, slot: int, name: str, labels: tuple = (), value: float = 0) -> None:
+        """Gauges are summed over slots like counters, but zeroed when a new process claims the slot."""
+        self._d[self._cell(slot, L.KIND_GAUGE, name, labels)] = value
+
+    def histogram_observe(self, slot: int, name: str, labels: tuple, value: float) -> None:
+        """N2: bucket i counts value <= HIST_BOUNDS[i] (non-cumulative), then the sum."""
+        i = self._cell(slot, L.KIND_HISTOGRAM, name, labels)
+        d = self._d
+        d[i + bisect_left(L.HIST_BOUNDS, value)] += 1
+        d[i + _HIST_N] += value
+
+    def collect(self) -> list[dict[str, Any]]:
+        """Every series summed over all slots (live and dead): what a Prometheus collector renders (N3)."""
+        self._sync_series()
+        d = self._d
+        cps = self.geometry.cells_per_slot
+        out: list[dict[str, Any]] = []
+        for kind, name, labels, cell, ncells in self._decoded:
+            sums = [0.0] * ncells
+            for s in range(self.slots):
+                b = self._cells_base + s * cps + cell
+                for j, v in enumerate(d[b:b + ncells].tolist()):
+                    sums[j] += v
+            item: dict[str, Any] = {"name": name, "kind": L.KIND_NAMES[kind], "labels": labels}
+            if kind == L.KIND_HISTOGRAM:
+                acc = 0.0
+                buckets = []
+                for bound, n in zip(L.HIST_BOUNDS, sums):
+                    acc += n
+                    buckets.append((bound, acc))
+                item.update(buckets=buckets, count=acc, sum=sums[_HIST_N])
+            else:
+                item["value"] = sums[0]
+            out.append(item)
+        return out
+
+    def _slot_series(self, slot: int) -> dict[str, float]:
+        self._sync_series()
+        d = self._d
+        b0 = self._cells_base + slot * self.geometry.cells_per_slot
+        out = {}
+        for kind, name, labels, cell, ncells in self._decoded:
+            vals = d[b0 + cell:b0 + cell + ncells].tolist()
+            text = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels) + "}" if labels else "")
+            if kind == L.KIND_HISTOGRAM:
+                if any(vals[:_HIST_N]):
+                    out[text + ":count"] = sum(vals[:_HIST_N])
+                    out[text + ":sum"] = vals[_HIST_N]
+            elif vals[0]:
+                out[text] = vals[0]
+        return out
+
+    # ---- slot metadata [Slots] ------------------------------------------------------------------------------
+
+    def set_slot(self, slot: int, role: str, pid: int | None = None) -> None:
+        """M1: the process now occupying `slot` says who it is; its gauges restart from zero."""
+        if not 0 <= slot < self.slots:
+            raise IndexError(f"slot {slot} out of range 0..{self.slots - 1}")
+        q = self._q
+        b = (self._slot_meta_off + slot * L.SLOT_META_SIZE) // 8
+        now = self._clock()
+        seq = q[b]
+        seq += seq & 1  # a predecessor that died mid-claim left it odd
+        q[b] = seq + 1  # odd while the fields change
+        fence()
+        q[b + L.SM_PID // 8] = os.getpid() if pid is None else pid
+        q[b + L.SM_ROLE // 8] = L.ROLES[role]
+        q[b + L.SM_STARTED_AT_NS // 8] = now
+        q[b + L.SM_HEARTBEAT_NS // 8] = now
+        q[b + L.SM_HEARTBEAT_VALUE // 8] = 0
+        fence()
+        q[b] = seq + 2
+        self._sync_series()
+        base = self._cells_base + slot * self.geometry.cells_per_slot
+        for kind, _n, _l, cell, _c in self._decoded:
+            if kind == L.KIND_GAUGE:
+                self._d[base + cell] = 0.0
+
+    def set_heartbeat(self, slot: int, value: int | None = None) -> None:
+        """M2: two independent 8-byte stores; value is role-defined (the recorder's durable position)."""
+        if not 0 <= slot < self.slots:
+            raise IndexError(f"slot {slot} out of range 0..{self.slots - 1}")
+        b = (self._slot_meta_off + slot * L.SLOT_META_SIZE) // 8
+        if value is not None:
+            self._q[b + L.SM_HEARTBEAT_VALUE // 8] = value
+        self._q[b + L.SM_HEARTBEAT_NS // 8] = self._clock()
+
+    def slot_info(self, slot: int) -> dict[str, Any]:
+        q = self._q
+        b = (self._slot_meta_off + slot * L.SLOT_META_SIZE) // 8
+        for _ in range(CACHE_READ_RETRIES):
+            s1 = q[b]
+            if s1 & 1:
+                continue
+            fence()
+            pid, role, started = q[b + 1], q[b + 2], q[b + 3]
+            fence()
+            if q[b] == s1:
+                break
+        else:
+            pid, role, started = 0, 0, 0
+        return {"slot": slot, "pid": pid, "role": L.ROLE_NAMES.get(role, "?"), "started_at_ns": started,
+                "heartbeat_ns": q[b + 4], "heartbeat_value": q[b + 5],
+                "alive": bool(pid) and owner_alive(pid, 0)}
+
+    # ---- introspection (STYLE 12) ---------------------------------------------------------------------------
+
+    def stat(self) -> dict[str, Any]:
+        """Everything `qag shm stat` and GET /-/shm show; JSON-ready."""
+        q, g = self._q, self.geometry
+        gens: dict[str, Any] = {"global": self.global_gen()}
+        for kind, base in self._gen_base.items():
+            vals = q[base:base + g.gen_slots].tolist()
+            gens[kind] = {str(i): v for i, v in enumerate(vals) if v}
+        slots = []
+        for s in range(self.slots):
+            info = self.slot_info(s)
+            info["ring"] = self.ring(s).stat()
+            info["counters"] = self._slot_series(s)
+            slots.append(info)
+        return {
+            "name": self.name,
+            "layout_version": self.version,
+            "size": g.size,
+            "slots": g.slots,
+            "created_at_ns": q[L.H_CREATED_AT_NS // 8],
+            "creator_pid": self._i[L.H_CREATOR_PID // 4],
+            "regions": {n: {"offset": o, "size": sz} for n, (o, sz) in zip(L.REGION_NAMES, g.regions)},
+            "generations": gens,
+            "cache": self.cache_stats(),
+            "series": {"count": q[L.H_SERIES_COUNT // 8], "max": g.series_max,
+                       "cells_used": q[L.H_CELLS_USED // 8], "cells_per_slot": g.cells_per_slot},
+            "lock": {"owner_pid": q[L.L_OWNER_PID // 8], "acquisitions": q[L.L_SEQ // 8],
+                     "takeovers": q[L.L_RECOVERIES // 8], "dirty_cache_slot": q[L.L_DIRTY_CACHE_SLOT // 8]},
+            "process_slots": slots,
+        }
+
+
+__all__ = ["Segment", "LayoutError", "SegmentFull", "LockTimeout", "segment_name"]
