@@ -15,13 +15,13 @@ BLOCKS = ('dbonly', 'throughput', 'latency', 'openloop', 'workers', 'threads', '
 OPEN_FRACTIONS = (0.25, 0.50, 0.75, 0.90, 1.00, 1.10)
 
 
-def parse_args(description, default_out, extra=None):
+def parse_args(description, default_out, extra=None, db_floor='floor_pg'):
     p = argparse.ArgumentParser(description=description)
     p.add_argument('blocks', nargs='*', help=f'blocks to run (default all): {", ".join(BLOCKS)}')
     p.add_argument('--targets', default='peer,qag,floor',
-                   help='comma list of: peer, peer_cache, qag, qag_plane, floor_pg, floor_hello; groups: '
-                        'peers (both peer modes), floor (both floors), all. Default peer,qag,floor '
-                        '("peer" alone means both peer modes, with and without the metadata cache)')
+                   help='comma list of: peer (both modes: without and with the metadata cache), peer_nocache, '
+                        'peer_cache, qag, qag_plane, floor (the database floor + hello floor), floor_pg, floor_mysql, '
+                        'floor_hello, all. Default peer,qag,floor')
     p.add_argument('--no-peer', action='store_true', help='skip both peer targets (no venv build)')
     p.add_argument('--gateway-cpus', default='0', help='taskset list for every gateway and floor (default 0)')
     p.add_argument('--load-cpus', default='1', help='taskset list for oha and pgbench (default 1)')
@@ -60,7 +60,7 @@ def parse_args(description, default_out, extra=None):
         if b not in BLOCKS:
             p.error(f'unknown block {b!r}; choose from {", ".join(BLOCKS)}')
     opts.blocks = opts.blocks or list(BLOCKS)
-    names = T.expand_targets(opts.targets)
+    names = T.expand_targets(opts.targets, db_floor)
     if opts.no_peer:
         names = [n for n in names if not n.startswith('peer')]
     opts.target_names = names

@@ -326,6 +326,12 @@ class FloorPg(Floor):
         return call.floor is not None
 
 
+class FloorMysql(FloorPg):
+    """Bare Falcon + mysql-connector running the tpcc_mysql queries: the floor on MariaDB."""
+    name = 'floor_mysql'
+    module = 'falcon_mysql'
+
+
 class FloorHello(Floor):
     """Bare Falcon hello-world: gunicorn + Falcon, no database."""
     name = 'floor_hello'
@@ -335,17 +341,19 @@ class FloorHello(Floor):
         return call.name == 'hello'
 
 
-TARGET_NAMES = ('peer', 'peer_cache', 'qag', 'qag_plane', 'floor_pg', 'floor_hello')
+TARGET_NAMES = ('peer', 'peer_cache', 'qag', 'qag_plane', 'floor_pg', 'floor_mysql', 'floor_hello')
 
 
-def expand_targets(spec):
-    """--targets: names, or groups 'peer' (both peer modes), 'floor' (both floors), 'all'."""
+def expand_targets(spec, db_floor='floor_pg'):
+    """--targets: names, or groups 'peer'/'peers' (both peer modes), 'floor' (the harness's database floor and
+    the hello floor), 'all'."""
     out = []
     for part in (spec or '').split(','):
         part = part.strip()
-        group = {'all': ['peer', 'peer_cache', 'qag', 'floor_pg', 'floor_hello'],
-                 'peers': ['peer', 'peer_cache'], 'floor': ['floor_pg', 'floor_hello'],
-                 'floors': ['floor_pg', 'floor_hello'], 'plane': ['qag_plane']}.get(part, [part] if part else [])
+        group = {'all': ['peer', 'peer_cache', 'qag', db_floor, 'floor_hello'],
+                 'peer': ['peer', 'peer_cache'], 'peers': ['peer', 'peer_cache'], 'peer_nocache': ['peer'],
+                 'floor': [db_floor, 'floor_hello'], 'floors': [db_floor, 'floor_hello'],
+                 'plane': ['qag_plane']}.get(part, [part] if part else [])
         for name in group:
             if name not in TARGET_NAMES:
                 raise SystemExit(f'unknown target {name!r}; choose from {", ".join(TARGET_NAMES)}')
@@ -365,6 +373,8 @@ def make_target(name, opts, workload):
         return Qag(opts, workload, plane=True)
     if name == 'floor_pg':
         return FloorPg(opts, workload)
+    if name == 'floor_mysql':
+        return FloorMysql(opts, workload)
     if name == 'floor_hello':
         return FloorHello(opts, workload)
     raise ValueError(name)

@@ -4,8 +4,10 @@ with a small generated TPC-C-like data set, per-user queries joining across them
 connection, measured block by block. `python bench/tpcc_mysql.py --smoke` is the CI check.
 
 Usage: python bench/tpcc_mysql.py [blocks...] [--targets peer,qag,floor] [--warehouses 2] [--smoke] (see --help)."""
+import json
 import os
 import random
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -203,7 +205,17 @@ def workload(warehouses):
         T.Call('order_status_governed', 'order_status', 'governed', rf'/q/order_status\?{who}'),
         T.Call('stock_level_plain', 'stock_level', 'plain', rf'/q/stock_level\?w={wh}&d=[1-9]&threshold=1[0-9]'),
     ]
-    return T.Workload(connection, queries, keys, data_db=None), calls
+    floor_queries = {}
+    for q in queries:
+        names = re.findall(r':([a-z_]+)', q['sql'])
+        floor_queries[q['name']] = [re.sub(r':[a-z_]+', '%s', q['sql']), names]
+    floor_env = {'FLOOR_MYSQL': json.dumps({'host': '127.0.0.1', 'port': 3306, 'user': RO_USER,
+                                            'password': RO_PASSWORD, 'database': db('crm')}),
+                 'FLOOR_QUERIES': json.dumps(floor_queries)}
+    for c in calls:
+        if c.key == 'plain':
+            c.floor = c.path_regex
+    return T.Workload(connection, queries, keys, data_db=None, floor_env=floor_env), calls
 
 
 def mysql_status():
@@ -227,7 +239,8 @@ def roundtrip_counter(target):
 def main():
     def extra(p):
         p.add_argument('--warehouses', type=int, default=2, help='TPC-C warehouses to generate (default 2)')
-    opts = B.parse_args(__doc__.splitlines()[0], os.path.join(H.BENCH_DIR, 'out', 'tpcc', 'results.jsonl'), extra)
+    opts = B.parse_args(__doc__.splitlines()[0], os.path.join(H.BENCH_DIR, 'out', 'tpcc', 'results.jsonl'), extra,
+                        db_floor='floor_mysql')
     ensure_data(opts.warehouses)
     w, calls = workload(opts.warehouses)
     bench = B.Bench(opts, 'tpcc_mysql', w, calls, db_comms={'mariadbd', 'mysqld'},
