@@ -1,0 +1,605 @@
+"""The Management API (administrators only): connections, saved queries and their versions, API keys.
+
+Every change commits in the store (with its audit row), then bumps the generations it affects,
+then answers: so no worker serves a revoked key or an old version once the call has returned.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import falcon
+
+from qag import params as P, plan as plan_mod, timeutil
+from qag.app import read_json
+from qag.errors import ApiError
+from qag.runtime import parse_rate
+from qag.store import Conflict, GRANT_FIELDS, public_connection, public_key
+
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
+DBS = ("postgres", "mysql", "sqlite", "clickhouse")
+WRITE_OPS = ("insert", "update", "delete", "merge", "replace", "upsert", "create", "drop", "alter", "truncate",
+             "grant", "revoke", "copy", "call", "lock")
+MASK_ACTIONS = ("hash", "mask", "null", "drop")
+
+
+def require_admin(app, req):
+    p = app.runtime.authenticate(req.get_header("X-API-Key"), req.remote_addr)
+    if not p.admin:
+        raise ApiError(403, "forbidden", "This route is for administrators; use QAG_ADMIN_KEY or an administrator "
+                       "token.")
+    return p
+
+
+def ok(resp, body, status=200, no_store=False):
+    resp.status = falcon.code_to_http_status(status)
+    resp.content_type = "application/json"
+    resp.text = json.dumps(body)
+    if no_store:
+        resp.set_header("Cache-Control", "no-store")
+
+
+def check_name(value, what: str) -> str:
+    if not isinstance(value, str) or not NAME_RE.fullmatch(value):
+        raise ApiError(400, "invalid_name", f"{what} must be 1-100 characters: letters, digits, '_', '.', '-', "
+                       f"starting with a letter or digit.")
+    return value
+
+
+def check_fields(body: dict, allowed: tuple, required: tuple = ()) -> None:
+    unknown = [k for k in body if k not in allowed]
+    if unknown:
+        raise ApiError(400, "unknown_field", f"Unknown field(s) {', '.join(sorted(unknown))}; allowed: "
+                       f"{', '.join(allowed)}.", {"fields": sorted(unknown)})
+    missing = [k for k in required if body.get(k) in (None, "")]
+    if missing:
+        raise ApiError(400, "field_required", f"Missing required field(s): {', '.join(missing)}.",
+                       {"fields": missing})
+
+
+def _type_error(field: str, what: str) -> ApiError:
+    return ApiError(400, "invalid_field", f"{field} must be {what}.", {"field": field})
+
+
+def _opt(body, field, types, what):
+    v = body.get(field)
+    if v is None:
+        return None
+    if isinstance(v, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise _type_error(field, what)
+    if not isinstance(v, types):
+        raise _type_error(field, what)
+    return v
+
+
+def _str_list(body, field):
+    v = body.get(field)
+    if v is None:
+        return None
+    if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
+        raise _type_error(field, "a list of non-empty strings")
+    return v
+
+
+def list_page(items, req, key):
+    """`{"items": [...], "next_cursor": ...}` with ?limit= and an opaque cursor (the last name seen)."""
+    try:
+        limit = int(req.get_param("limit") or 100)
+        if not 1 <= limit <= 1000:
+            raise ValueError
+    except ValueError:
+        raise ApiError(400, "invalid_paging", "limit must be an integer between 1 and 1000.") from None
+    cursor = req.get_param("cursor")
+    if cursor:
+        items = [i for i in items if i[key] > cursor]
+    page = items[:limit]
+    nxt = page[-1][key] if len(items) > limit else None
+    return {"items": page, "next_cursor": nxt}
+
+
+# -- connections ----------------------------------------------------------------------------------
+CONN_FIELDS = ("name", "db", "host", "port", "user", "password", "database", "active", "options")
+
+
+def validate_connection(body: dict, partial: bool = False) -> dict:
+    check_fields(body, CONN_FIELDS, () if partial else ("name", "db"))
+    out = {}
+    if "name" in body and not partial:
+        out["name"] = check_name(body["name"], "name")
+    if "db" in body:
+        if body["db"] not in DBS:
+            raise ApiError(400, "invalid_field", f"db must be one of {', '.join(DBS)}.", {"field": "db"})
+        out["db"] = body["db"]
+    for f in ("host", "user", "password", "database"):
+        if f in body:
+            out[f] = _opt(body, f, str, "a string")
+    if "port" in body:
+        port = body["port"]
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
+            raise _type_error("port", "an integer between 1 and 65535")
+        out["port"] = port
+    if "active" in body:
+        if not isinstance(body["active"], bool):
+            raise _type_error("active", "true or false")
+        out["active"] = body["active"]
+    if "options" in body:
+        if body["options"] is not None and not isinstance(body["options"], dict):
+            raise _type_error("options", "an object")
+        out["options"] = body["options"] or {}
+    if not partial and out.get("db") == "sqlite" and not out.get("database"):
+        raise ApiError(400, "field_required", "A sqlite connection needs database: the path of its file.",
+                       {"fields": ["database"]})
+    return out
+
+
+class Connections:
+    def __init__(self, app):
+        self.app = app
+
+    def on_get(self, req, resp):
+        require_admin(self.app, req)
+        rows = [public_connection(r) for r in self.app.runtime.store.list_connections()]
+        ok(resp, list_page(rows, req, "name"))
+
+    def on_post(self, req, resp):
+        p = require_admin(self.app, req)
+        c = validate_connection(read_json(req, self.app.cfg))
+        c.setdefault("active", True)
+        try:
+            row = self.app.runtime.store.create_connection(p.name, c)
+        except Conflict:
+            raise ApiError(409, "connection_exists", f"A connection named '{c['name']}' exists; PATCH it or pick "
+                           "another name.") from None
+        self.app.runtime.changed("connection", c["name"])
+        ok(resp, public_connection(row), 201)
+
+
+class Connection:
+    def __init__(self, app):
+        self.app = app
+
+    def _get(self, name):
+        row = self.app.runtime.store.get_connection(name)
+        if row is None:
+            raise ApiError(404, "connection_not_found", f"There is no connection named '{name}'.")
+        return row
+
+    def on_get(self, req, resp, name):
+        require_admin(self.app, req)
+        ok(resp, public_connection(self._get(name)))
+
+    def on_patch(self, req, resp, name):
+        p = require_admin(self.app, req)
+        body = read_json(req, self.app.cfg)
+        if "name" in body and body["name"] != name:
+            raise ApiError(400, "invalid_field", "A connection cannot be renamed; create a new one.",
+                           {"field": "name"})
+        body.pop("name", None)
+        changes = validate_connection(body, partial=True)
+        row = self.app.runtime.store.update_connection(p.name, name, changes)
+        if row is None:
+            raise ApiError(404, "connection_not_found", f"There is no connection named '{name}'.")
+        self.app.runtime.changed("connection", name)
+        ok(resp, public_connection(row))
+
+    def on_delete(self, req, resp, name):
+        p = require_admin(self.app, req)
+        out = self.app.runtime.store.delete_connection(p.name, name)
+        if out == "missing":
+            raise ApiError(404, "connection_not_found", f"There is no connection named '{name}'.")
+        if out.startswith("in_use:"):
+            raise ApiError(409, "connection_in_use", f"Saved queries still use '{name}': {out[7:]}; delete or "
+                           "move them first.")
+        self.app.runtime.changed("connection", name)
+        resp.status = falcon.HTTP_204
+
+
+class ConnectionTest:
+    def __init__(self, app):
+        self.app = app
+
+    def on_post(self, req, resp):
+        require_admin(self.app, req)
+        body = read_json(req, self.app.cfg)
+        store = self.app.runtime.store
+        if set(body) == {"name"}:
+            row = store.get_connection(body["name"]) if isinstance(body["name"], str) else None
+            if row is None:
+                raise ApiError(404, "connection_not_found", f"There is no connection named '{body['name']}'.")
+            password = store.connection_password(row)
+        else:
+            body.setdefault("name", "test")
+            c = validate_connection(body)
+            row = {"name": c["name"], "db": c["db"], "host": c.get("host"), "port": c.get("port"),
+                   "user": c.get("user"), "database": c.get("database"), "options": c.get("options") or {},
+                   "active": True}
+            password = c.get("password")
+        from qag import connectors
+        conn = connectors.make(row, password, self.app.cfg)
+        t0 = time.perf_counter()
+        try:
+            conn.run("SELECT 1", (), write=False, timeout=None, max_rows=1)
+        except connectors.QueryFailed as exc:
+            raise ApiError(502, "connection_failed", f"Connected, but SELECT 1 failed: {exc.db_text}") from None
+        finally:
+            conn.close()
+        ok(resp, {"ok": True, "name": row["name"], "db": row["db"],
+                  "latency_ms": round((time.perf_counter() - t0) * 1000, 3)})
+
+
+# -- queries --------------------------------------------------------------------------------------
+QUERY_FIELDS = ("name", "connection_name", "sql", "parameters", "description", "publish", "cache_ttl", "mask",
+                "allow_unsafe")
+VERSION_FIELDS = ("sql", "parameters", "description", "publish", "mask", "allow_unsafe", "connection_name",
+                  "cache_ttl")
+
+
+def validate_mask(rules, field="mask"):
+    if rules is None:
+        return []
+    if not isinstance(rules, list):
+        raise _type_error(field, 'a list of {"column": "[schema.]table.column", "action": "hash|mask|null|drop"}')
+    out = []
+    for r in rules:
+        if not isinstance(r, dict) or set(r) - {"column", "action"} or not isinstance(r.get("column"), str) \
+                or r.get("action") not in MASK_ACTIONS:
+            raise _type_error(field, 'a list of {"column": "[schema.]table.column", "action": "hash|mask|null|drop"}')
+        parts = r["column"].split(".")
+        if not 2 <= len(parts) <= 3 or not all(parts):
+            raise ApiError(400, "invalid_field", f"mask column {r['column']!r} must be table.column or "
+                           "schema.table.column (* allowed).", {"field": field})
+        out.append({"column": r["column"], "action": r["action"]})
+    return out
+
+
+def public_query(q: dict, v: dict | None) -> dict:
+    out = {"name": q["name"], "connection_name": q["connection_name"], "description": q["description"],
+           "published_version": q["published_version"], "latest_version": q["latest_version"],
+           "cache_ttl": q["cache_ttl"], "created_at": q["created_at"], "updated_at": q["updated_at"],
+           "published": q["published_version"] is not None}
+    if v is not None:
+        out.update(sql=v["sql"], parameters=v["parameters"], mask=v["mask"], allow_unsafe=v["allow_unsafe"],
+                   version=v["version"])
+    return out
+
+
+def public_version(v: dict, q: dict) -> dict:
+    return {"query": v["query_name"], "version": v["version"], "sql": v["sql"], "parameters": v["parameters"],
+            "mask": v["mask"], "allow_unsafe": v["allow_unsafe"], "description": v["description"],
+            "created_at": v["created_at"], "created_by": v["created_by"],
+            "published": q["published_version"] == v["version"]}
+
+
+def _version_from(app, body: dict, conn_name: str) -> dict:
+    store = app.runtime.store
+    crow = store.get_connection(conn_name)
+    if crow is None:
+        raise ApiError(404, "connection_not_found", f"There is no connection named '{conn_name}'.")
+    sql = body.get("sql")
+    if not isinstance(sql, str) or not sql.strip():
+        raise _type_error("sql", "a non-empty SQL string")
+    if len(sql) > 200_000:
+        raise ApiError(400, "invalid_field", "sql is longer than 200,000 characters.", {"field": "sql"})
+    plan_mod.check_statement(plan_mod.strip_sql(sql), crow["db"])
+    parameters = P.normalize_specs(body.get("parameters"), sql, crow["db"])
+    desc = body.get("description") or ""
+    if not isinstance(desc, str):
+        raise _type_error("description", "a string")
+    allow_unsafe = body.get("allow_unsafe", False)
+    if not isinstance(allow_unsafe, bool):
+        raise _type_error("allow_unsafe", "true or false")
+    return {"sql": sql, "parameters": parameters, "description": desc, "mask": validate_mask(body.get("mask")),
+            "allow_unsafe": allow_unsafe}
+
+
+def _cache_ttl(body):
+    v = body.get("cache_ttl")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+        raise _type_error("cache_ttl", "a non-negative integer (seconds)")
+    return v
+
+
+class Queries:
+    def __init__(self, app):
+        self.app = app
+
+    def on_get(self, req, resp):
+        require_admin(self.app, req)
+        store = self.app.runtime.store
+        items = []
+        for q in store.list_queries():
+            v = store.get_version(q["name"], q["published_version"] or q["latest_version"])
+            items.append(public_query(q, v))
+        ok(resp, list_page(items, req, "name"))
+
+    def on_post(self, req, resp):
+        p = require_admin(self.app, req)
+        body = read_json(req, self.app.cfg)
+        check_fields(body, QUERY_FIELDS, ("name", "connection_name", "sql"))
+        name = check_name(body["name"], "name")
+        conn_name = body["connection_name"]
+        if not isinstance(conn_name, str):
+            raise _type_error("connection_name", "a string")
+        publish = body.get("publish", True)
+        if not isinstance(publish, bool):
+            raise _type_error("publish", "true or false")
+        v = _version_from(self.app, body, conn_name)
+        q = {"name": name, "connection_name": conn_name, "description": v["description"],
+             "cache_ttl": _cache_ttl(body)}
+        try:
+            row = self.app.runtime.store.create_query(p.name, q, v, publish)
+        except Conflict:
+            raise ApiError(409, "query_exists", f"A query named '{name}' exists; add a version with POST "
+                           f"/api/v1/queries/{name}/versions.") from None
+        self.app.runtime.changed("query", name)
+        ok(resp, public_query(row, {**v, "version": 1}), 201)
+
+
+class Query:
+    def __init__(self, app):
+        self.app = app
+
+    def on_get(self, req, resp, name):
+        require_admin(self.app, req)
+        store = self.app.runtime.store
+        q = store.get_query(name)
+        if q is None:
+            raise ApiError(404, "query_not_found", f"There is no saved query named '{name}'.")
+        v = store.get_version(name, q["published_version"] or q["latest_version"])
+        out = public_query(q, v)
+        out["versions"] = [public_version(x, q) for x in store.list_versions(name)]
+        ok(resp, out)
+
+    def on_delete(self, req, resp, name):
+        p = require_admin(self.app, req)
+        if not self.app.runtime.store.delete_query(p.name, name):
+            raise ApiError(404, "query_not_found", f"There is no saved query named '{name}'.")
+        self.app.runtime.changed("query", name)
+        resp.status = falcon.HTTP_204
+
+
+class QueryVersions:
+    def __init__(self, app):
+        self.app = app
+
+    def on_get(self, req, resp, name):
+        require_admin(self.app, req)
+        store = self.app.runtime.store
+        q = store.get_query(name)
+        if q is None:
+            raise ApiError(404, "query_not_found", f"There is no saved query named '{name}'.")
+        ok(resp, {"items": [public_version(v, q) for v in store.list_versions(name)], "next_cursor": None})
+
+    def on_post(self, req, resp, name):
+        p = require_admin(self.app, req)
+        store = self.app.runtime.store
+        body = read_json(req, self.app.cfg)
+        check_fields(body, VERSION_FIELDS, ("sql",))
+        q = store.get_query(name)
+        if q is None:
+            raise ApiError(404, "query_not_found", f"There is no saved query named '{name}'.")
+        conn_name = body.get("connection_name", q["connection_name"])
+        if not isinstance(conn_name, str):
+            raise _type_error("connection_name", "a string")
+        publish = body.get("publish", False)
+        if not isinstance(publish, bool):
+            raise _type_error("publish", "true or false")
+        v = _version_from(self.app, body, conn_name)
+        changes = {}
+        if "connection_name" in body:
+            changes["connection_name"] = conn_name
+        if "cache_ttl" in body:
+            changes["cache_ttl"] = _cache_ttl(body)
+        if "description" in body:
+            changes["description"] = v["description"]
+        row = store.add_version(p.name, name, v, publish, changes)
+        if row is None:
+            raise ApiError(404, "query_not_found", f"There is no saved query named '{name}'.")
+        self.app.runtime.changed("query", name)
+        vrow = store.get_version(name, row["latest_version"])
+        ok(resp, public_version(vrow, row), 201)
+
+
+class QueryPublish:
+    def __init__(self, app):
+        self.app = app
+
+    def on_post(self, req, resp, name):
+        p = require_admin(self.app, req)
+        body = read_json(req, self.app.cfg)
+        check_fields(body, ("version",), ("version",))
+        version = body["version"]
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise _type_error("version", "a positive integer")
+        out = self.app.runtime.store.publish(p.name, name, version)
+        if out == "missing":
+            raise ApiError(404, "query_not_found", f"There is no saved query named '{name}'.")
+        if out == "no_version":
+            raise ApiError(404, "version_not_found", f"The query '{name}' has no version {version}.")
+        self.app.runtime.changed("query", name)
+        v = self.app.runtime.store.get_version(name, version)
+        ok(resp, public_query(out, v))
+
+
+# -- API keys -------------------------------------------------------------------------------------
+KEY_FIELDS = ("name", "description", "active", "expires_at") + GRANT_FIELDS
+
+
+def validate_grants(body: dict) -> dict:
+    g = {}
+    for f in ("queries", "connections", "allowed_tables", "allowed_write_ops"):
+        if f in body:
+            g[f] = _str_list(body, f)
+    if g.get("allowed_write_ops"):
+        bad = [o for o in g["allowed_write_ops"] if o.lower() not in WRITE_OPS]
+        if bad:
+            raise ApiError(400, "invalid_field", f"allowed_write_ops has unknown operations {', '.join(bad)}; use "
+                           f"{', '.join(WRITE_OPS)}.", {"field": "allowed_write_ops"})
+        g["allowed_write_ops"] = [o.lower() for o in g["allowed_write_ops"]]
+    if g.get("allowed_tables"):
+        for t in g["allowed_tables"]:
+            if len(t.split(".")) > 2:
+                raise ApiError(400, "invalid_field", f"allowed_tables entry {t!r} must be table or schema.table.",
+                               {"field": "allowed_tables"})
+    if "mask" in body:
+        g["mask"] = validate_mask(body["mask"])
+    if "allow_writes" in body:
+        if not isinstance(body["allow_writes"], bool):
+            raise _type_error("allow_writes", "true or false")
+        g["allow_writes"] = body["allow_writes"]
+    if "allowed_ips" in body:
+        ips = _str_list(body, "allowed_ips")
+        import ipaddress
+        for ip in ips or []:
+            try:
+                ipaddress.ip_network(ip, strict=False)
+            except ValueError:
+                raise ApiError(400, "invalid_field", f"allowed_ips entry {ip!r} is not an IP address or CIDR network.",
+                               {"field": "allowed_ips"}) from None
+        g["allowed_ips"] = ips
+    if "rate_limit" in body:
+        rl = body["rate_limit"]
+        if rl is not None:
+            try:
+                parse_rate(rl)
+            except ValueError as exc:
+                raise ApiError(400, "invalid_field", str(exc) + ".", {"field": "rate_limit"}) from None
+        g["rate_limit"] = rl
+    if "quota" in body:
+        qv = body["quota"]
+        if qv is not None and not isinstance(qv, (dict, str, int)):
+            raise _type_error("quota", "an object, a string or an integer")
+        g["quota"] = qv
+    return g
+
+
+def _expires(body):
+    if "expires_at" not in body or body["expires_at"] is None:
+        return None
+    try:
+        return timeutil.fmt(timeutil.parse(body["expires_at"]))
+    except ValueError as exc:
+        raise ApiError(400, "invalid_field", f"expires_at: {exc}.", {"field": "expires_at"}) from None
+
+
+class ApiKeys:
+    def __init__(self, app):
+        self.app = app
+
+    def on_get(self, req, resp):
+        require_admin(self.app, req)
+        ok(resp, list_page([public_key(r) for r in self.app.runtime.store.list_keys()], req, "name"))
+
+    def on_post(self, req, resp):
+        p = require_admin(self.app, req)
+        body = read_json(req, self.app.cfg)
+        check_fields(body, KEY_FIELDS, ("name",))
+        name = check_name(body["name"], "name")
+        grants = validate_grants(body)
+        for f in GRANT_FIELDS:
+            grants.setdefault(f, None if f not in ("queries", "connections", "mask", "allow_writes") else
+                              ([] if f != "allow_writes" else False))
+        active = body.get("active", True)
+        if not isinstance(active, bool):
+            raise _type_error("active", "true or false")
+        desc = body.get("description") or ""
+        if not isinstance(desc, str):
+            raise _type_error("description", "a string")
+        try:
+            row, secret = self.app.runtime.store.create_key(p.name, name, grants, active, _expires(body), desc)
+        except Conflict:
+            raise ApiError(409, "key_exists", f"An API key named '{name}' exists; PATCH it, rotate it or pick "
+                           "another name.") from None
+        self.app.runtime.changed("key", name)
+        ok(resp, {**public_key(row), "secret": secret}, 201, no_store=True)
+
+
+class ApiKey:
+    def __init__(self, app):
+        self.app = app
+
+    def on_get(self, req, resp, name):
+        require_admin(self.app, req)
+        row = self.app.runtime.store.get_key(name)
+        if row is None:
+            raise ApiError(404, "key_not_found", f"There is no API key named '{name}'.")
+        ok(resp, public_key(row))
+
+    def on_patch(self, req, resp, name):
+        p = require_admin(self.app, req)
+        body = read_json(req, self.app.cfg)
+        check_fields(body, KEY_FIELDS)
+        if "name" in body and body["name"] != name:
+            raise ApiError(400, "invalid_field", "An API key cannot be renamed.", {"field": "name"})
+        grants = validate_grants(body)
+        fields = {}
+        if "active" in body:
+            if not isinstance(body["active"], bool):
+                raise _type_error("active", "true or false")
+            fields["active"] = body["active"]
+        if "expires_at" in body:
+            fields["expires_at"] = _expires(body)
+        if "description" in body:
+            if not isinstance(body["description"], str):
+                raise _type_error("description", "a string")
+            fields["description"] = body["description"]
+        row = self.app.runtime.store.update_key(p.name, name, grants or None, fields)
+        if row is None:
+            raise ApiError(404, "key_not_found", f"There is no API key named '{name}'.")
+        self.app.runtime.changed("key", name)
+        ok(resp, public_key(row))
+
+    def on_delete(self, req, resp, name):
+        p = require_admin(self.app, req)
+        if self.app.runtime.store.delete_key(p.name, name) is None:
+            raise ApiError(404, "key_not_found", f"There is no API key named '{name}'.")
+        self.app.runtime.changed("key", name)
+        resp.status = falcon.HTTP_204
+
+
+class ApiKeyRotate:
+    def __init__(self, app):
+        self.app = app
+
+    def on_post(self, req, resp, name):
+        p = require_admin(self.app, req)
+        body = read_json(req, self.app.cfg, allow_empty=True)
+        check_fields(body, ("grace_minutes",))
+        grace = body.get("grace_minutes", 0)
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace <= 60 * 24 * 30:
+            raise _type_error("grace_minutes", "a number of minutes between 0 and 43200")
+        out = self.app.runtime.store.rotate_key(p.name, name, float(grace))
+        if out is None:
+            raise ApiError(404, "key_not_found", f"There is no API key named '{name}'.")
+        row, secret = out
+        self.app.runtime.changed("key", name)
+        ok(resp, {**public_key(row), "secret": secret}, 200, no_store=True)
+
+
+class Audit:
+    def __init__(self, app):
+        self.app = app
+
+    def on_get(self, req, resp):
+        require_admin(self.app, req)
+        try:
+            limit = int(req.get_param("limit") or 100)
+        except ValueError:
+            raise ApiError(400, "invalid_paging", "limit must be an integer.") from None
+        ok(resp, {"items": self.app.runtime.store.list_audit(max(1, min(limit, 1000))), "next_cursor": None})
+
+
+def register(app) -> None:
+    f = app.falcon
+    f.add_route("/api/v1/connections", Connections(app))
+    f.add_route("/api/v1/connections/test", ConnectionTest(app))
+    f.add_route("/api/v1/connections/{name}", Connection(app))
+    f.add_route("/api/v1/queries", Queries(app))
+    f.add_route("/api/v1/queries/{name}", Query(app))
+    f.add_route("/api/v1/queries/{name}/versions", QueryVersions(app))
+    f.add_route("/api/v1/queries/{name}/publish", QueryPublish(app))
+    f.add_route("/api/v1/api-keys", ApiKeys(app))
+    f.add_route("/api/v1/api-keys/{name}", ApiKey(app))
+    f.add_route("/api/v1/api-keys/{name}/rotate", ApiKeyRotate(app))
+    f.add_route("/api/v1/audit", Audit(app))

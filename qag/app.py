@@ -1,0 +1,395 @@
+"""The Falcon application: routing, the error contract, and the data API's request path.
+
+`DataResource.serve` is the request path, top to bottom, one line per stage:
+authenticate → plan → bind → execute → govern → render → record. Each stage is timed; the times go
+to histograms and to a `Server-Timing` header.
+"""
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import time
+from typing import Any
+
+import falcon
+
+from qag import __version__, params as P, render
+from qag.connectors import QueryFailed
+from qag.errors import ApiError
+from qag.metrics import Observer
+from qag.runtime import Runtime
+from qag.store import StoreUnavailable
+
+REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+TRUE = frozenset(("1", "true", "yes", "on"))
+FALSE = frozenset(("0", "false", "no", "off", ""))
+
+
+def request_id(req) -> str:
+    rid = req.get_header("X-Request-Id")
+    if rid and REQUEST_ID_RE.fullmatch(rid):
+        return rid
+    return secrets.token_hex(8)
+
+
+def send_error(req, resp, err: ApiError) -> None:
+    rid = req.context.get("request_id") or request_id(req)
+    resp.status = falcon.code_to_http_status(err.status)
+    resp.content_type = "application/json"
+    resp.text = json.dumps(err.body(rid))
+    resp.set_header("X-Request-Id", rid)
+    resp.set_header("Cache-Control", "no-store")
+    for k, v in err.headers.items():
+        resp.set_header(k, v)
+
+
+def read_json(req, cfg, *, allow_empty: bool = False) -> dict:
+    """The request body as a JSON object: 413 when too large, 400 invalid_body otherwise."""
+    length = req.content_length
+    if length is not None and length > cfg.max_body_bytes:
+        raise ApiError(413, "body_too_large", f"The request body is larger than {cfg.max_body_bytes} bytes.")
+    raw = req.bounded_stream.read(cfg.max_body_bytes + 1)
+    if len(raw) > cfg.max_body_bytes:
+        raise ApiError(413, "body_too_large", f"The request body is larger than {cfg.max_body_bytes} bytes.")
+    if not raw.strip():
+        if allow_empty:
+            return {}
+        raise ApiError(400, "invalid_body", "Send a JSON object as the request body.")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, "invalid_body", f"The request body is not valid JSON: {exc}.") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "invalid_body", "The request body must be a JSON object.")
+    return body
+
+
+class RequestIdMiddleware:
+    def process_request(self, req, resp):
+        req.context.request_id = request_id(req)
+        req.context.started = time.perf_counter()
+
+    def process_response(self, req, resp, resource, req_succeeded):
+        rid = req.context.get("request_id")
+        if rid:
+            resp.set_header("X-Request-Id", rid)
+
+
+class DataResource:
+    """`GET|POST /q/<name>`."""
+
+    ROUTE = "/q/{name}"
+    POST_FIELDS = frozenset(("params", "format", "page", "page_size", "version", "timeout", "stream"))
+
+    def __init__(self, app: "QagApp"):
+        self.app = app
+
+    def on_get(self, req, resp, name):
+        given = {}
+        for k, v in req.params.items():
+            given[k] = v
+        self.serve(req, resp, name, given, None)
+
+    def on_post(self, req, resp, name):
+        body = read_json(req, self.app.cfg, allow_empty=True)
+        unknown = [k for k in body if k not in self.POST_FIELDS]
+        if unknown:
+            raise ApiError(400, "unknown_field", f"Unknown field(s) {', '.join(sorted(unknown))}; allowed: "
+                           f"{', '.join(sorted(self.POST_FIELDS))}.")
+        params = body.get("params", {})
+        if not isinstance(params, dict):
+            raise ApiError(400, "invalid_body", "params must be a JSON object of parameter values.")
+        given = dict(req.params)
+        given.update({k: v for k, v in body.items() if k != "params" and v is not None})
+        self.serve(req, resp, name, given, params)
+
+    def serve(self, req, resp, name: str, given: dict, body_params: dict | None) -> None:
+        app, rt = self.app, self.app.runtime
+        t0 = time.perf_counter()
+        stages: list[tuple[str, float]] = []
+        run: dict[str, Any] = {"query": name, "version": None, "key_name": None, "connection": None,
+                               "rows": 0, "bytes": 0, "transport": "http"}
+        query_seconds = None
+        plan_hit = None
+        try:
+            principal = rt.authenticate(req.get_header("X-API-Key"), req.remote_addr)
+            run["key_name"] = None if principal.admin else principal.name
+            rt.check_rate(principal)
+            opts = call_options(given, app.cfg)
+            t = _lap(stages, "auth", t0)
+            hits = rt.plan_hits
+            plan, crow, connector = rt.plan(principal, name, opts.version)
+            plan_hit = rt.plan_hits > hits
+            run["version"], run["connection"] = plan.version, plan.connection
+            t = _lap(stages, "plan", t)
+            values = P.bind(plan.specs, body_params if body_params is not None else opts.params,
+                            app.cfg.max_param_bytes)
+            args = plan.bind_args(values)
+            t = _lap(stages, "bind", t)
+            if opts.stream:
+                if plan.is_write:
+                    raise ApiError(400, "invalid_stream", "A write cannot be streamed; call it without stream.")
+                self.stream(req, resp, plan, connector, args, opts, principal, run, t0)
+                return
+            if plan.is_write:
+                cols, rows, count = connector.run(plan.sql, args, write=True, timeout=opts.timeout, max_rows=None)
+            else:
+                sql = plan.paged_sql(opts.page, opts.page_size)
+                cols, rows, count = connector.run(sql, args, write=False, timeout=opts.timeout,
+                                                  max_rows=None if plan.page_mode != "none"
+                                                  else opts.page * opts.page_size + 1)
+            t1 = _lap(stages, "execute", t)
+            query_seconds = t1 - t
+            if plan.transforms is not None:
+                cols, rows = app.apply_transforms(plan.transforms, cols, rows, rt.mask_key)
+            t = _lap(stages, "govern", t1)
+            if plan.is_write and not cols:
+                body = json.dumps({"affected_rows": count}).encode() if opts.format == "json" else b""
+                resp.set_header("X-Affected-Rows", str(count))
+                nrows = 0
+            else:
+                if plan.page_mode == "none" and not plan.is_write:
+                    start = (opts.page - 1) * opts.page_size
+                    rows = rows[start:]
+                has_more = not plan.is_write and len(rows) > opts.page_size
+                if has_more:
+                    rows = rows[:opts.page_size]
+                body = render.RENDERERS[opts.format](cols, rows)
+                nrows = len(rows)
+                if plan.is_write:
+                    resp.set_header("X-Affected-Rows", str(count))
+                else:
+                    resp.set_header("X-Page", str(opts.page))
+                    resp.set_header("X-Page-Size", str(opts.page_size))
+                    resp.set_header("X-Row-Count", str(nrows))
+                    resp.set_header("X-Has-More", "true" if has_more else "false")
+            t = _lap(stages, "render", t)
+            resp.content_type = render.FORMATS[opts.format]
+            resp.data = body
+            run["rows"], run["bytes"] = nrows, len(body)
+            resp.set_header("Server-Timing", ", ".join(f"{n};dur={d * 1000:.3f}" for n, d in stages))
+            app.finish(req, run, 200, None, t0, query_seconds, plan_hit)
+        except ApiError as err:
+            app.finish(req, run, err.status, err.code, t0, query_seconds, plan_hit)
+            raise
+        except QueryFailed as exc:
+            admin = run["key_name"] is None and "principal" in locals() and principal.admin
+            text = ("The database rejected the statement: " + exc.db_text) if admin else \
+                "The database rejected the statement; an administrator can see why in the run history."
+            app.finish(req, run, 500, "query_failed", t0, query_seconds, plan_hit)
+            raise ApiError(500, "query_failed", text) from None
+
+    def stream(self, req, resp, plan, connector, args, opts, principal, run, t0):
+        """`?stream=true`: the whole result from a server-side cursor, in bounded memory."""
+        cols, batches = connector.stream(plan.sql, args, timeout=opts.timeout)
+        transforms = plan.transforms
+        app = self.app
+        if transforms is not None:
+            key = app.runtime.mask_key
+            first_cols = cols
+
+            def masked():
+                for b in batches:
+                    yield app.apply_transforms(transforms, first_cols, b, key)[1]
+            cols = app.apply_transforms(transforms, cols, [], key)[0]
+            source = masked()
+        else:
+            source = batches
+        counted = {"rows": 0, "bytes": 0}
+
+        def count_rows(src):
+            for b in src:
+                counted["rows"] += len(b)
+                yield b
+
+        def body():
+            ok = False
+            try:
+                for chunk in render.STREAMERS[opts.format](cols, count_rows(source)):
+                    counted["bytes"] += len(chunk)
+                    yield chunk
+                ok = True
+            finally:
+                run["rows"], run["bytes"], run["transport"] = counted["rows"], counted["bytes"], "stream"
+                app.finish(req, run, 200 if ok else 500, None if ok else "stream_aborted", t0, None, None)
+        resp.content_type = render.FORMATS[opts.format]
+        resp.stream = body()
+
+
+class CallOptions:
+    __slots__ = ("format", "page", "page_size", "version", "timeout", "stream", "params")
+
+
+def call_options(given: dict, cfg) -> CallOptions:
+    """Split reserved names (format, page, page_size, version, timeout, stream) from parameters."""
+    o = CallOptions()
+    fmt = given.get("format", "json")
+    if not isinstance(fmt, str) or fmt.lower() not in render.FORMATS:
+        raise ApiError(400, "invalid_format", f"format must be json, ndjson or csv, not {fmt!r}.")
+    o.format = fmt.lower()
+    o.page = _int_opt(given, "page", 1, 1, None)
+    o.page_size = _int_opt(given, "page_size", cfg.default_page_size, 1, cfg.max_page_size)
+    v = given.get("version")
+    if v is None or v == "":
+        o.version = None
+    else:
+        try:
+            o.version = int(v)
+            if o.version < 1 or isinstance(v, bool):
+                raise ValueError
+        except (TypeError, ValueError):
+            raise ApiError(400, "param_invalid", "version must be a positive integer.",
+                           {"errors": {"version": "must be a positive integer"}}) from None
+    t = given.get("timeout")
+    if t is None or t == "":
+        o.timeout = None
+    else:
+        try:
+            o.timeout = float(t)
+            if isinstance(t, bool) or not 0 < o.timeout <= cfg.query_timeout:
+                raise ValueError
+        except (TypeError, ValueError):
+            raise ApiError(400, "param_invalid", f"timeout must be a number of seconds above 0 and at most "
+                           f"{cfg.query_timeout:g}.", {"errors": {"timeout": f"must be in (0, {cfg.query_timeout:g}]"}}
+                           ) from None
+    s = given.get("stream")
+    if s is None:
+        o.stream = False
+    elif isinstance(s, bool):
+        o.stream = s
+    elif isinstance(s, str) and s.lower() in TRUE | FALSE:
+        o.stream = s.lower() in TRUE
+    else:
+        raise ApiError(400, "invalid_stream", "stream must be true or false.")
+    if o.stream:
+        if o.format == "json":
+            raise ApiError(400, "invalid_stream", "stream=true needs format=csv or format=ndjson.")
+        if "page" in given or "page_size" in given:
+            raise ApiError(400, "invalid_stream", "stream=true returns the whole result; leave out page and "
+                           "page_size.")
+    o.params = {k: v for k, v in given.items() if k not in P.RESERVED}
+    return o
+
+
+def _int_opt(given: dict, name: str, default: int, lo: int, hi: int | None) -> int:
+    raw = given.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        if isinstance(raw, bool) or isinstance(raw, list):
+            raise ValueError
+        v = int(raw)
+        if isinstance(raw, float) and not raw.is_integer():
+            raise ValueError
+    except (TypeError, ValueError):
+        raise ApiError(400, "invalid_paging", f"{name} must be an integer.") from None
+    if v < lo or (hi is not None and v > hi):
+        bound = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
+        raise ApiError(400, "invalid_paging", f"{name} must be {bound}.")
+    return v
+
+
+def _lap(stages: list, name: str, since: float) -> float:
+    now = time.perf_counter()
+    stages.append((name, now - since))
+    return now
+
+
+class QagApp:
+    """The WSGI application and what its resources share."""
+
+    def __init__(self, cfg, runtime: Runtime, *, observer: Observer | None = None, recorder=None, segment=None):
+        self.cfg = cfg
+        self.runtime = runtime
+        self.observer = observer or Observer()
+        self.recorder = recorder  # callable(run: dict) or None
+        self.segment = segment
+        self._apply = None
+        self.falcon = falcon.App(middleware=[RequestIdMiddleware()])
+        self.falcon.req_options.auto_parse_qs_csv = False
+        self.falcon.req_options.keep_blank_qs_values = True
+        self.falcon.resp_options.secure_cookies_by_default = False
+        self.falcon.add_error_handler(Exception, self._on_exception)
+        self.falcon.add_error_handler(falcon.HTTPError, self._on_http_error)
+        self.falcon.add_error_handler(ApiError, self._on_api_error)
+        self.falcon.add_route(DataResource.ROUTE, DataResource(self))
+        from qag.api import manage, ops
+        manage.register(self)
+        ops.register(self)
+        self.falcon.add_sink(self._not_found, r"/")
+
+    def __call__(self, environ, start_response):
+        return self.falcon(environ, start_response)
+
+    def apply_transforms(self, transforms, cols, rows, key):
+        if self._apply is None:
+            from qag.governance import apply_transforms
+            self._apply = apply_transforms
+        return self._apply(transforms, cols, rows, key)
+
+    def finish(self, req, run: dict, status: int, code: str | None, t0: float, query_seconds, plan_hit) -> None:
+        duration = time.perf_counter() - t0
+        self.observer.request(DataResource.ROUTE, status, code, run.get("rows", 0), duration, query_seconds, plan_hit)
+        if self.recorder is not None:
+            run.update(status=status, code=code, duration_us=int(duration * 1e6),
+                       request_id=req.context.get("request_id", ""), route=DataResource.ROUTE)
+            self.recorder(run)
+
+    # -- errors --------------------------------------------------------------------------------
+    def _on_api_error(self, req, resp, err, params):
+        send_error(req, resp, err)
+        self._count(req, err.status, err.code)
+
+    def _on_http_error(self, req, resp, err, params):
+        status = int(str(err.status).split()[0]) if not isinstance(err.status, int) else err.status
+        code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large", 415: "unsupported_media_type",
+                400: "invalid_request"}.get(status, "http_error")
+        msg = err.title or "HTTP error"
+        if err.description:
+            msg = f"{msg}: {err.description}"
+        if status == 405:
+            msg = f"{req.method} is not allowed on {req.path}."
+        send_error(req, resp, ApiError(status, code, msg))
+        if status == 405 and getattr(err, "headers", None):
+            allow = err.headers.get("Allow")
+            if allow:
+                resp.set_header("Allow", allow)
+        self._count(req, status, code)
+
+    def _on_exception(self, req, resp, exc, params):
+        if isinstance(exc, StoreUnavailable):
+            err = ApiError(503, "store_unavailable", "The metadata store is unreachable right now; retry shortly.",
+                           headers={"Retry-After": "1"})
+        else:
+            import logging
+            logging.getLogger("qag").exception("unhandled error on %s %s", req.method, req.path)
+            err = ApiError(500, "internal_error", "qag failed to handle this request; the error is in its log.")
+        send_error(req, resp, err)
+        self._count(req, err.status, err.code)
+
+    def _count(self, req, status, code):
+        route = req.uri_template or "other"
+        if route == DataResource.ROUTE:
+            return  # counted by finish()
+        self.observer.request(route, status, code, 0, time.perf_counter() - req.context.get("started", time.perf_counter()))
+
+    def _not_found(self, req, resp, **kw):
+        raise ApiError(404, "not_found", f"There is no route {req.method} {req.path}; see /openapi.json.")
+
+
+def create_app(cfg=None, *, store=None, gens=None, observer=None, recorder=None, segment=None) -> QagApp:
+    """Build the application for one process (tests call this directly; gunicorn via qag.serve)."""
+    from qag import config
+    from qag.runtime import LocalGenerations
+    from qag.store import Store
+    cfg = cfg or config.load()
+    if store is None:
+        store = Store(home=cfg.home, database_url=cfg.database_url, secret_key=cfg.secret_key)
+        store.migrate()
+    if gens is None:
+        gens = LocalGenerations()
+    return QagApp(cfg, Runtime(cfg, store, gens), observer=observer, recorder=recorder, segment=segment)
+
+
+VERSION = __version__

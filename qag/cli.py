@@ -1,0 +1,149 @@
+"""The `qag` command: serve, demo, admins, migrate, config, shm stat."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from qag import __version__, config
+
+
+def _cfg(args, **over):
+    try:
+        return config.load(**over)
+    except config.SettingError as exc:
+        print(f"qag: {exc}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def cmd_serve(args) -> int:
+    from qag import serve
+    over = {}
+    if args.bind:
+        over["bind"] = args.bind
+    if args.workers:
+        try:
+            over["workers"] = config._workers(args.workers)
+        except ValueError as exc:
+            print(f"qag: --workers {args.workers!r} is malformed: {exc}", file=sys.stderr)
+            return 2
+    if args.threads:
+        over["threads"] = args.threads
+    cfg = _cfg(args, **over)
+    return serve.run(cfg, pin=not args.no_pin)
+
+
+def cmd_demo(args) -> int:
+    from qag import demo
+    return demo.main(args)
+
+
+def cmd_admins(args) -> int:
+    from qag.store import Conflict, Store
+    cfg = _cfg(args)
+    store = Store(home=cfg.home, database_url=cfg.database_url, secret_key=cfg.secret_key)
+    store.migrate()
+    if args.admins_cmd == "create":
+        try:
+            token = store.create_admin(args.name)
+        except Conflict:
+            print(f"qag: an administrator named {args.name!r} exists", file=sys.stderr)
+            return 1
+        _bump_global(cfg)
+        print(token)
+        print(f"# administrator {args.name!r} created; use the line above as X-API-Key. It is shown once.",
+              file=sys.stderr)
+        return 0
+    if args.admins_cmd == "revoke":
+        if not store.revoke_admin(args.name):
+            print(f"qag: no administrator named {args.name!r}", file=sys.stderr)
+            return 1
+        _bump_global(cfg)
+        return 0
+    return 2
+
+
+def _bump_global(cfg) -> None:
+    """A CLI change reaches running workers through the segment's generations."""
+    try:
+        import shm
+        from qag.arbiter import instance_name
+        seg = shm.Segment.attach(instance_name(cfg))
+    except Exception:
+        return
+    try:
+        seg.bump("key", "\x00admins")
+    finally:
+        seg.close()
+
+
+def cmd_migrate(args) -> int:
+    from qag.store import Store
+    cfg = _cfg(args)
+    store = Store(home=cfg.home, database_url=cfg.database_url, secret_key=cfg.secret_key)
+    print(f"schema version {store.migrate()}")
+    return 0
+
+
+def cmd_config(args) -> int:
+    if args.reference:
+        print(config.reference_markdown())
+        return 0
+    cfg = _cfg(args)
+    print(repr(cfg))
+    return 0
+
+
+def cmd_shm(args) -> int:
+    cfg = _cfg(args)
+    try:
+        import shm
+        from qag.arbiter import instance_name
+        seg = shm.Segment.attach(args.name or instance_name(cfg))
+    except Exception as exc:
+        print(f"qag: cannot attach the segment: {exc}", file=sys.stderr)
+        return 1
+    try:
+        print(json.dumps(seg.stat(), indent=2, default=str))
+    finally:
+        seg.close()
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="qag", description="qag: saved SQL served as governed REST endpoints.")
+    p.add_argument("--version", action="version", version=f"qag {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="run the gateway (gunicorn arbiter + pinned Falcon workers)")
+    s.add_argument("--bind", help="HOST:PORT (default QAG_BIND)")
+    s.add_argument("--workers", help="auto (one per physical core) or a number (default QAG_WORKERS)")
+    s.add_argument("--threads", type=int, help="threads per worker (default QAG_THREADS)")
+    s.add_argument("--no-pin", action="store_true", help="do not pin workers to CPUs")
+    s.set_defaults(fn=cmd_serve)
+    d = sub.add_parser("demo", help="example SQLite data, a connection, queries and a key; then serve")
+    d.add_argument("--bind", default=None)
+    d.add_argument("--no-serve", action="store_true", help="set up and print the calls, do not start serving")
+    d.set_defaults(fn=cmd_demo)
+    a = sub.add_parser("admins", help="named administrator tokens")
+    asub = a.add_subparsers(dest="admins_cmd", required=True)
+    ac = asub.add_parser("create")
+    ac.add_argument("name")
+    ar = asub.add_parser("revoke")
+    ar.add_argument("name")
+    a.set_defaults(fn=cmd_admins)
+    m = sub.add_parser("migrate", help="apply the metadata store's migrations")
+    m.set_defaults(fn=cmd_migrate)
+    c = sub.add_parser("config", help="show the settings in use")
+    c.add_argument("--reference", action="store_true", help="print the settings reference (Markdown)")
+    c.set_defaults(fn=cmd_config)
+    sh = sub.add_parser("shm", help="the shared segment")
+    shsub = sh.add_subparsers(dest="shm_cmd", required=True)
+    st = shsub.add_parser("stat")
+    st.add_argument("--name", help="segment name (default: this instance's)")
+    sh.set_defaults(fn=cmd_shm)
+    args = p.parse_args(argv)
+    return args.fn(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

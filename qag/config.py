@@ -1,0 +1,169 @@
+"""Settings, declared once: name, environment variable, type, default and one line of documentation.
+
+The README's configuration reference is generated from `SETTINGS` (`python -m qag.config`), and a unit
+test fails when the two disagree.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+class SettingError(ValueError):
+    """A malformed setting: startup stops with a message naming it."""
+
+
+def _bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("expected 1/0, true/false, yes/no or on/off")
+
+
+def _pos_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise ValueError("must be a positive integer")
+    return value
+
+
+def _nonneg_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError("must be zero or a positive integer")
+    return value
+
+
+def _pos_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError("must be a positive number")
+    return value
+
+
+def _rate(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError("must be between 0 and 1")
+    return value
+
+
+def _workers(text: str) -> str | int:
+    if text.strip().lower() == "auto":
+        return "auto"
+    return _pos_int(text)
+
+
+def _bind(text: str) -> str:
+    if text.startswith("unix:"):
+        return text
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError("expected HOST:PORT (e.g. 127.0.0.1:8080) or unix:PATH")
+    return text
+
+
+def _url(text: str) -> str:
+    if text and not (text.startswith("postgresql://") or text.startswith("postgres://")):
+        raise ValueError("expected a postgresql:// URL")
+    return text
+
+
+def _runstore_url(text: str) -> str:
+    if text and not text.split("://", 1)[0] in ("clickhouse", "clickhouses", "chdb", "http", "https"):
+        raise ValueError("expected clickhouse://, https://, http:// or chdb:// URL")
+    return text
+
+
+def _str(text: str) -> str:
+    return text
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    env: str
+    parse: Callable[[str], Any]
+    default: str
+    doc: str
+    type_name: str
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("home", "QAG_HOME", _str, "~/.qag", "Directory for the embedded SQLite store, the mask key and demo data.", "path"),
+    Setting("admin_key", "QAG_ADMIN_KEY", _str, "", "Break-glass administrator key (X-API-Key). Empty: only named administrator tokens.", "str"),
+    Setting("database_url", "QAG_DATABASE_URL", _url, "", "PostgreSQL URL of the metadata store; empty means SQLite in QAG_HOME.", "url"),
+    Setting("bind", "QAG_BIND", _bind, "127.0.0.1:8080", "Address qag serve listens on (HOST:PORT or unix:PATH).", "host:port"),
+    Setting("workers", "QAG_WORKERS", _workers, "auto", "Worker processes: auto = one per physical core of the allowed CPUs.", "auto|int"),
+    Setting("threads", "QAG_THREADS", _pos_int, "4", "Threads per worker (gthread); they wait on databases, they add no CPU.", "int"),
+    Setting("pin", "QAG_PIN", _bool, "1", "Pin each worker to one logical CPU of its physical core.", "bool"),
+    Setting("allow_writes", "QAG_ALLOW_WRITES", _bool, "0", "Allow saved queries that write (each key must also allow writes).", "bool"),
+    Setting("max_page_size", "QAG_MAX_PAGE_SIZE", _pos_int, "1000", "Largest page_size a caller may ask for.", "int"),
+    Setting("default_page_size", "QAG_DEFAULT_PAGE_SIZE", _pos_int, "10", "page_size when the caller gives none.", "int"),
+    Setting("query_timeout", "QAG_QUERY_TIMEOUT", _pos_float, "30", "Statement time limit in seconds; a caller may ask for less with ?timeout=.", "seconds"),
+    Setting("connect_timeout", "QAG_CONNECT_TIMEOUT", _pos_float, "3", "Seconds to wait for a data database connection before 502 connection_failed.", "seconds"),
+    Setting("pool_size", "QAG_POOL_SIZE", _pos_int, "8", "Idle connections kept per data connection in each worker.", "int"),
+    Setting("secret_key", "QAG_SECRET_KEY", _str, "", "Fernet key encrypting connection passwords at rest (empty: stored as given).", "str"),
+    Setting("mask_key", "QAG_MASK_KEY", _str, "", "HMAC key for hash masking; empty: a key generated once and kept in the store.", "str"),
+    Setting("max_body_bytes", "QAG_MAX_BODY_BYTES", _pos_int, "1048576", "Largest request body accepted (413 above it).", "bytes"),
+    Setting("max_param_bytes", "QAG_MAX_PARAM_BYTES", _pos_int, "65536", "Largest single parameter value accepted.", "bytes"),
+    Setting("metrics_token", "QAG_METRICS_TOKEN", _str, "", "Bearer token required by /metrics (empty: public).", "str"),
+    Setting("shm_size", "QAG_SHM_SIZE", _pos_int, "67108864", "Size in bytes of the shared-memory segment.", "bytes"),
+    Setting("record_wait_ms", "QAG_RECORD_WAIT_MS", _nonneg_int, "50", "How long a worker waits on a full run ring before counting the run lost.", "ms"),
+    Setting("run_store_url", "QAG_RUN_STORE_URL", _runstore_url, "", "ClickHouse URL for runs; empty: the metadata store's own tables.", "url"),
+    Setting("events_retention_hours", "QAG_EVENTS_RETENTION_HOURS", _pos_int, "24", "Hours the event table keeps every run.", "hours"),
+    Setting("history_retention_days", "QAG_HISTORY_RETENTION_DAYS", _pos_int, "30", "Days history keeps runs.", "days"),
+    Setting("history_sample_rate", "QAG_HISTORY_SAMPLE_RATE", _rate, "1", "Share of successful runs kept in history (failures always kept).", "0..1"),
+    Setting("log_level", "QAG_LOG_LEVEL", _str, "info", "Log level of the arbiter and workers.", "str"),
+    Setting("access_log", "QAG_ACCESS_LOG", _bool, "0", "Write a gunicorn access log line per request (runs are the access log).", "bool"),
+)
+
+_BY_NAME = {s.name: s for s in SETTINGS}
+
+
+class Config:
+    """Parsed settings; attribute per setting name."""
+
+    def __init__(self, values: dict[str, Any]):
+        self.__dict__.update(values)
+
+    def __repr__(self) -> str:  # never print secrets
+        shown = {k: ("***" if k in ("admin_key", "secret_key", "mask_key", "metrics_token") and v else v)
+                 for k, v in self.__dict__.items()}
+        return f"Config({shown})"
+
+
+def load(environ: dict[str, str] | None = None, **overrides: Any) -> Config:
+    """Parse every setting from the environment; raise SettingError naming the first malformed one."""
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for s in SETTINGS:
+        raw = env.get(s.env)
+        text = s.default if raw is None else raw
+        try:
+            values[s.name] = s.parse(text)
+        except ValueError as exc:
+            raise SettingError(f"{s.env}={raw!r} is malformed: {exc}") from None
+    for name, value in overrides.items():
+        if name not in _BY_NAME:
+            raise SettingError(f"unknown setting {name}")
+        if value is not None:
+            values[name] = value
+    values["home"] = os.path.abspath(os.path.expanduser(values["home"]))
+    return Config(values)
+
+
+def reference_markdown() -> str:
+    """The configuration reference table for the README."""
+    lines = ["| variable | type | default | meaning |", "|---|---|---|---|"]
+    for s in SETTINGS:
+        default = s.default if s.default != "" else "(empty)"
+        lines.append(f"| `{s.env}` | {s.type_name} | `{default}` | {s.doc} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(reference_markdown())

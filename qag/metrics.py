@@ -1,0 +1,134 @@
+"""Every metric qag exports, declared in one place, and the one observation call that feeds them.
+
+Handlers never touch counters directly: they call `Observer.request(...)` once per call. The backend
+is the shared segment's per-slot counters when a segment is attached (so one scrape of any worker
+sees the whole instance), else an in-process registry.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Iterable
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import CollectorRegistry
+
+# name -> (type, help, label names)
+METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "qag_requests_total": ("counter", "HTTP requests served, by route and status.", ("route", "status")),
+    "qag_errors_total": ("counter", "Error responses, by contract code.", ("code",)),
+    "qag_rows_total": ("counter", "Rows returned by saved queries.", ()),
+    "qag_request_duration_seconds": ("histogram", "Whole request duration, by route.", ("route",)),
+    "qag_query_duration_seconds": ("histogram", "Database execution time of saved queries.", ()),
+    "qag_plan_cache_total": ("counter", "Plan cache lookups, by result (hit or miss).", ("result",)),
+    "qag_pool_connections": ("gauge", "Data-database connections, by connection and state (in_use, idle).",
+                             ("connection", "state")),
+    "qag_runs_recorded_total": ("counter", "Runs handed to the run ring.", ()),
+    "qag_runs_lost_total": ("counter", "Runs dropped because the run ring stayed full for QAG_RECORD_WAIT_MS.", ()),
+    "qag_ring_occupancy_bytes": ("gauge", "Bytes waiting in each run ring.", ("slot",)),
+    "qag_recorder_lag_seconds": ("gauge", "Age of the recorder's last heartbeat.", ()),
+    "qag_recorder_batches_total": ("counter", "Batches the recorder committed to the run store.", ()),
+    "qag_generation": ("gauge", "The global generation of the shared segment.", ()),
+}
+
+BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class LocalBackend:
+    """Counters for one process (no segment)."""
+
+    def __init__(self):
+        self.values: dict[tuple[str, tuple], float] = {}
+        self.hist: dict[tuple[str, tuple], list] = {}
+        self.lock = threading.Lock()
+
+    def counter_add(self, slot, name, labels, value=1):
+        k = (name, labels)
+        with self.lock:
+            self.values[k] = self.values.get(k, 0) + value
+
+    def histogram_observe(self, slot, name, labels, value):
+        k = (name, labels)
+        with self.lock:
+            h = self.hist.get(k)
+            if h is None:
+                h = self.hist[k] = [[0] * (len(BUCKETS) + 1), 0.0, 0]
+            for i, b in enumerate(BUCKETS):
+                if value <= b:
+                    h[0][i] += 1
+                    break
+            else:
+                h[0][-1] += 1
+            h[1] += value
+            h[2] += 1
+
+    def snapshot(self):
+        with self.lock:
+            return dict(self.values), {k: ([*v[0]], v[1], v[2]) for k, v in self.hist.items()}
+
+
+class Observer:
+    """The one observation type: every count and timing of a call goes through here."""
+
+    def __init__(self, backend=None, slot: int = 0):
+        self.backend = backend or LocalBackend()
+        self.slot = slot
+        self.gauges = []  # callables yielding (name, labels, value)
+
+    def request(self, route: str, status: int, code: str | None, rows: int, duration: float,
+                query_seconds: float | None = None, plan_hit: bool | None = None) -> None:
+        b, slot = self.backend, self.slot
+        b.counter_add(slot, "qag_requests_total", (("route", route), ("status", str(status))), 1)
+        if code:
+            b.counter_add(slot, "qag_errors_total", (("code", code),), 1)
+        if rows:
+            b.counter_add(slot, "qag_rows_total", (), rows)
+        b.histogram_observe(slot, "qag_request_duration_seconds", (("route", route),), duration)
+        if query_seconds is not None:
+            b.histogram_observe(slot, "qag_query_duration_seconds", (), query_seconds)
+        if plan_hit is not None:
+            b.counter_add(slot, "qag_plan_cache_total", (("result", "hit" if plan_hit else "miss"),), 1)
+
+    def run_recorded(self, ok: bool) -> None:
+        self.backend.counter_add(self.slot, "qag_runs_recorded_total" if ok else "qag_runs_lost_total", (), 1)
+
+    def render(self) -> bytes:
+        reg = CollectorRegistry(auto_describe=False)
+        reg.register(_Collector(self))
+        return generate_latest(reg)
+
+
+class _Collector:
+    def __init__(self, obs: Observer):
+        self.obs = obs
+
+    def collect(self) -> Iterable:
+        values, hists = self.obs.backend.snapshot()
+        fams: dict[str, object] = {}
+        for name, (kind, doc, labels) in METRICS.items():
+            if kind == "counter":
+                fams[name] = CounterMetricFamily(name.removesuffix("_total"), doc, labels=list(labels))
+            elif kind == "gauge":
+                fams[name] = GaugeMetricFamily(name, doc, labels=list(labels))
+            else:
+                fams[name] = HistogramMetricFamily(name, doc, labels=list(labels))
+        for (name, labels), v in sorted(values.items()):
+            fam = fams.get(name)
+            if fam is None:
+                continue
+            fam.add_metric([lv for _, lv in labels], v)
+        for (name, labels), (buckets, total, count) in sorted(hists.items()):
+            fam = fams.get(name)
+            if fam is None:
+                continue
+            cum, acc = [], 0
+            for bound, n in zip(list(BUCKETS) + [float("inf")], buckets):
+                acc += n
+                cum.append(("+Inf" if bound == float("inf") else repr(bound), acc))
+            fam.add_metric([lv for _, lv in labels], cum, total)
+        for gauge in self.obs.gauges:
+            for name, labels, v in gauge():
+                fam = fams.get(name)
+                if fam is not None:
+                    fam.add_metric(list(labels), v)
+        return list(fams.values())

@@ -1,0 +1,370 @@
+"""Parameters: `:name` markers found in SQL text, typed specs and their rules, and the values of one call.
+
+Markers inside string literals, quoted identifiers, comments and PostgreSQL `::` casts are not
+parameters. The driver binds every value; nothing a caller sends is ever spliced into SQL text.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from qag.errors import ApiError
+
+INT_MIN, INT_MAX = -(2 ** 63), 2 ** 63 - 1
+TYPES = {"int": "int", "integer": "int", "float": "float", "number": "float", "str": "str", "string": "str",
+         "bool": "bool", "boolean": "bool"}
+RULES = ("type", "required", "default", "enum", "min", "max", "min_length", "max_length", "pattern", "description")
+RESERVED = frozenset(("format", "page", "page_size", "version", "timeout", "stream"))
+NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_IDENT_START = re.compile(r"[A-Za-z_]")
+_INT_RE = re.compile(r"[+-]?[0-9]+")
+TRUE_TEXT = frozenset(("true", "1", "yes"))
+FALSE_TEXT = frozenset(("false", "0", "no"))
+
+
+def scan_markers(sql: str, dialect: str = "postgres") -> list[tuple[int, int, str]]:
+    """Every `:name` marker as (start, end, name), skipping literals, identifiers, comments and `::`."""
+    out: list[tuple[int, int, str]] = []
+    i, n = 0, len(sql)
+    backslash = dialect in ("mysql", "clickhouse")
+    while i < n:
+        c = sql[i]
+        if c == "'" or (c == '"' and dialect == "mysql"):
+            i = _skip_quoted(sql, i, c, backslash)
+        elif c == '"' or c == "`":
+            i = _skip_quoted(sql, i, c, False)
+        elif c == "[" and dialect == "sqlite":
+            j = sql.find("]", i + 1)
+            i = n if j < 0 else j + 1
+        elif c == "-" and sql.startswith("--", i):
+            j = sql.find("\n", i)
+            i = n if j < 0 else j + 1
+        elif c == "#" and dialect == "mysql":
+            j = sql.find("\n", i)
+            i = n if j < 0 else j + 1
+        elif c == "/" and sql.startswith("/*", i):
+            j = sql.find("*/", i + 2)
+            i = n if j < 0 else j + 2
+        elif c == "$" and dialect == "postgres":
+            m = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*)?\$").match(sql, i)
+            if m and (i == 0 or not (sql[i - 1].isalnum() or sql[i - 1] == "_")):
+                tag = m.group(0)
+                j = sql.find(tag, m.end())
+                i = n if j < 0 else j + len(tag)
+            else:
+                i += 1
+        elif c == ":":
+            if sql.startswith("::", i):
+                i += 2
+                continue
+            m = NAME_RE.match(sql, i + 1)
+            prev = sql[i - 1] if i > 0 else " "
+            if m and not (prev.isalnum() or prev == "_"):
+                out.append((i, m.end(), m.group(0)))
+                i = m.end()
+            else:
+                i += 1
+        else:
+            i += 1
+    return out
+
+
+def _skip_quoted(sql: str, i: int, q: str, backslash: bool) -> int:
+    n = len(sql)
+    j = i + 1
+    while j < n:
+        c = sql[j]
+        if backslash and c == "\\":
+            j += 2
+            continue
+        if c == q:
+            if j + 1 < n and sql[j + 1] == q:  # doubled quote escapes itself
+                j += 2
+                continue
+            return j + 1
+        j += 1
+    return n
+
+
+def compile_sql(sql: str, dialect: str) -> tuple[str, tuple[str, ...]]:
+    """Driver-ready SQL with positional markers, and the parameter name bound at each position."""
+    markers = scan_markers(sql, dialect)
+    percent = dialect in ("postgres", "mysql", "clickhouse")  # pyformat drivers: a literal % must be doubled
+    mark = "?" if dialect == "sqlite" else "%s"
+    parts: list[str] = []
+    names: list[str] = []
+    pos = 0
+    for start, end, name in markers:
+        chunk = sql[pos:start]
+        parts.append(chunk.replace("%", "%%") if percent else chunk)
+        parts.append(mark)
+        names.append(name)
+        pos = end
+    tail = sql[pos:]
+    parts.append(tail.replace("%", "%%") if percent and markers else tail)
+    if percent and not markers:
+        return sql, ()
+    return "".join(parts), tuple(names)
+
+
+def neutralize(sql: str, dialect: str) -> str:
+    """The SQL with every marker replaced by NULL, for statement analysis."""
+    markers = scan_markers(sql, dialect)
+    parts, pos = [], 0
+    for start, end, _ in markers:
+        parts.append(sql[pos:start])
+        parts.append("NULL")
+        pos = end
+    parts.append(sql[pos:])
+    return "".join(parts)
+
+
+class ParamSpec:
+    __slots__ = ("name", "type", "required", "default", "has_default", "enum", "min", "max", "min_length",
+                 "max_length", "pattern", "_re")
+
+    def to_dict(self) -> dict:
+        out: dict[str, Any] = {"type": self.type, "required": self.required}
+        if self.has_default:
+            out["default"] = self.default
+        for f in ("enum", "min", "max", "min_length", "max_length", "pattern"):
+            v = getattr(self, f)
+            if v is not None:
+                out[f] = v
+        return out
+
+
+def normalize_specs(raw: Any, sql: str, dialect: str) -> dict[str, dict]:
+    """Validate a query's declared parameters (saved form); raise 400 invalid_parameters with every problem."""
+    errors: dict[str, str] = {}
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ApiError(400, "invalid_parameters", "parameters must be an object mapping names to a type or a spec")
+    out: dict[str, dict] = {}
+    for name, spec in raw.items():
+        if not isinstance(name, str) or not NAME_RE.fullmatch(name) or name in RESERVED:
+            errors[str(name)] = ("is reserved" if name in RESERVED else
+                                 "is not a valid parameter name (letters, digits, _; not starting with a digit)")
+            continue
+        if isinstance(spec, str):
+            spec = {"type": spec}
+        if not isinstance(spec, dict):
+            errors[name] = "must be a type name or an object with a type"
+            continue
+        unknown = [k for k in spec if k not in RULES]
+        if unknown:
+            errors[name] = f"has unknown rules {', '.join(sorted(unknown))}; allowed: {', '.join(RULES)}"
+            continue
+        t = TYPES.get(str(spec.get("type", "str")).lower()) if isinstance(spec.get("type", "str"), str) else None
+        if t is None:
+            errors[name] = "type must be one of int, float, str, bool"
+            continue
+        norm: dict[str, Any] = {"type": t}
+        problems = []
+        if "required" in spec and not isinstance(spec["required"], bool):
+            problems.append("required must be true or false")
+        for f in ("min", "max"):
+            if f in spec:
+                if t not in ("int", "float") or isinstance(spec[f], bool) or not isinstance(spec[f], (int, float)):
+                    problems.append(f"{f} applies to numbers and must be a number")
+                else:
+                    norm[f] = spec[f]
+        for f in ("min_length", "max_length"):
+            if f in spec:
+                if t != "str" or isinstance(spec[f], bool) or not isinstance(spec[f], int) or spec[f] < 0:
+                    problems.append(f"{f} applies to strings and must be a non-negative integer")
+                else:
+                    norm[f] = spec[f]
+        if "pattern" in spec:
+            if t != "str" or not isinstance(spec["pattern"], str):
+                problems.append("pattern applies to strings and must be a regular expression")
+            else:
+                try:
+                    re.compile(spec["pattern"])
+                    norm["pattern"] = spec["pattern"]
+                except re.error as exc:
+                    problems.append(f"pattern is not a valid regular expression: {exc}")
+        probe = _spec_from({"type": t, **{k: v for k, v in norm.items() if k != "type"}}, name)
+        if "enum" in spec:
+            if not isinstance(spec["enum"], list) or not spec["enum"]:
+                problems.append("enum must be a non-empty list")
+            else:
+                vals = []
+                for v in spec["enum"]:
+                    try:
+                        vals.append(_convert(probe, v))
+                    except ValueError as exc:
+                        problems.append(f"enum value {v!r} {exc}")
+                norm["enum"] = vals
+        if "default" in spec:
+            if spec["default"] is None:
+                norm["default"] = None
+            else:
+                try:
+                    norm["default"] = _convert(probe, spec["default"])
+                except ValueError as exc:
+                    problems.append(f"default {exc}")
+        norm["required"] = bool(spec.get("required", "default" not in spec))
+        if "description" in spec:
+            norm["description"] = str(spec["description"])
+        if problems:
+            errors[name] = "; ".join(problems)
+        else:
+            out[name] = norm
+    if errors:
+        raise ApiError(400, "invalid_parameters", "Some parameter declarations are invalid: " +
+                       "; ".join(f"{k} {v}" for k, v in errors.items()), {"errors": errors})
+    for _, _, name in scan_markers(sql, dialect):
+        if name not in out:  # an undeclared marker is a required string
+            out[name] = {"type": "str", "required": True}
+    return out
+
+
+def _spec_from(d: dict, name: str) -> ParamSpec:
+    s = ParamSpec()
+    s.name = name
+    s.type = d["type"]
+    s.required = d.get("required", True)
+    s.has_default = "default" in d
+    s.default = d.get("default")
+    s.enum = d.get("enum")
+    s.min = d.get("min")
+    s.max = d.get("max")
+    s.min_length = d.get("min_length")
+    s.max_length = d.get("max_length")
+    s.pattern = d.get("pattern")
+    s._re = re.compile(s.pattern) if s.pattern is not None else None
+    return s
+
+
+def build_specs(saved: dict[str, dict]) -> tuple[ParamSpec, ...]:
+    return tuple(_spec_from(d, n) for n, d in saved.items())
+
+
+def _convert(spec: ParamSpec, raw: Any) -> Any:
+    """Text (query string) or JSON value → the typed value; ValueError with the sentence for `errors`."""
+    t = spec.type
+    if t == "int":
+        if isinstance(raw, bool):
+            raise ValueError("must be an integer")
+        if isinstance(raw, int):
+            v = raw
+        elif isinstance(raw, str) and _INT_RE.fullmatch(raw.strip()):
+            v = int(raw.strip())
+        elif isinstance(raw, float) and raw.is_integer():
+            v = int(raw)
+        else:
+            raise ValueError("must be an integer")
+        if not INT_MIN <= v <= INT_MAX:
+            raise ValueError("must be a signed 64-bit integer")
+        return v
+    if t == "float":
+        if isinstance(raw, bool):
+            raise ValueError("must be a number")
+        if isinstance(raw, (int, float)):
+            v = float(raw)
+        elif isinstance(raw, str):
+            try:
+                v = float(raw.strip())
+            except ValueError:
+                raise ValueError("must be a number") from None
+        else:
+            raise ValueError("must be a number")
+        if math.isnan(v) or math.isinf(v):
+            raise ValueError("must be a finite number")
+        return v
+    if t == "bool":
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str):
+            low = raw.strip().lower()
+            if low in TRUE_TEXT:
+                return True
+            if low in FALSE_TEXT:
+                return False
+        if isinstance(raw, int) and raw in (0, 1):
+            return bool(raw)
+        raise ValueError("must be a boolean (true/1/yes or false/0/no)")
+    if not isinstance(raw, str):
+        raise ValueError("must be a string")
+    if "\x00" in raw:
+        raise ValueError("must not contain NUL characters")
+    return raw
+
+
+def bind(specs: tuple[ParamSpec, ...], given: dict[str, Any], max_bytes: int) -> dict[str, Any]:
+    """Validate one call's values against the specs; raise 400 param_required/param_invalid with every problem."""
+    errors: dict[str, str] = {}
+    missing = False
+    values: dict[str, Any] = {}
+    known = set()
+    for spec in specs:
+        known.add(spec.name)
+        raw = given.get(spec.name, _MISSING)
+        if raw is _MISSING or (isinstance(raw, str) and raw == "" and spec.type != "str"):
+            if spec.has_default:
+                values[spec.name] = spec.default
+            elif spec.required:
+                errors[spec.name] = "is required"
+                missing = True
+            else:
+                values[spec.name] = None
+            continue
+        if raw is None:
+            if spec.required and not spec.has_default:
+                errors[spec.name] = "is required"
+                missing = True
+            else:
+                values[spec.name] = spec.default if spec.has_default else None
+            continue
+        if isinstance(raw, list):
+            errors[spec.name] = "must be given once"
+            continue
+        if isinstance(raw, str) and len(raw) > max_bytes // 4 and len(raw.encode("utf-8")) > max_bytes:
+            errors[spec.name] = f"is longer than {max_bytes} bytes"
+            continue
+        try:
+            v = _convert(spec, raw)
+        except ValueError as exc:
+            errors[spec.name] = str(exc)
+            continue
+        problem = _check_rules(spec, v)
+        if problem:
+            errors[spec.name] = problem
+            continue
+        values[spec.name] = v
+    for name in given:
+        if name not in known:
+            errors[name] = "is not a parameter of this query"
+    if errors:
+        only_missing = missing and all(v == "is required" for v in errors.values())
+        code = "param_required" if only_missing else "param_invalid"
+        what = "; ".join(f"{k} {v}" for k, v in errors.items())
+        raise ApiError(400, code, f"Fix the parameters and try again: {what}.", {"errors": errors})
+    return values
+
+
+def _check_rules(spec: ParamSpec, v: Any) -> str | None:
+    if spec.enum is not None and v not in spec.enum:
+        return "must be one of " + ", ".join(str(e) for e in spec.enum)
+    if spec.min is not None and v < spec.min:
+        return f"must be at least {spec.min}"
+    if spec.max is not None and v > spec.max:
+        return f"must be at most {spec.max}"
+    if spec.type == "str":
+        if spec.min_length is not None and len(v) < spec.min_length:
+            return f"must be at least {spec.min_length} characters long"
+        if spec.max_length is not None and len(v) > spec.max_length:
+            return f"must be at most {spec.max_length} characters long"
+        if spec._re is not None and not spec._re.fullmatch(v):
+            return f"must match the pattern {spec.pattern}"
+    return None
+
+
+class _Missing:
+    __slots__ = ()
+
+
+_MISSING = _Missing()

@@ -1,0 +1,309 @@
+"""A worker's runtime: settings, the store, generations, and the caches validated against them.
+
+Every cached object remembers the generations it was built from; a lookup compares them with the
+current ones (one 8-byte read each when the generations live in the shared segment) and rebuilds on
+any difference, so a warm call reads nothing from the metadata store and a change is seen at once.
+"""
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import secrets
+import threading
+import time
+from typing import Any
+
+from qag import connectors, plan as plan_mod, timeutil
+from qag.errors import ApiError
+from qag.store import Store, hash_secret
+
+
+class LocalGenerations:
+    """Generations for one process (tests, `qag demo --no-serve`); a segment provides the shared ones."""
+
+    def __init__(self):
+        self._g: dict[tuple[str, str], int] = {}
+        self._global = 0
+        self._lock = threading.Lock()
+
+    def gen(self, kind: str, ident: str) -> int:
+        return self._g.get((kind, ident), 0)
+
+    def bump(self, kind: str, ident: str) -> int:
+        with self._lock:
+            v = self._g.get((kind, ident), 0) + 1
+            self._g[(kind, ident)] = v
+            self._global += 1
+            return v
+
+    def global_gen(self) -> int:
+        return self._global
+
+
+class Principal:
+    __slots__ = ("admin", "name", "key", "gen")
+
+    def __init__(self, admin: bool, name: str, key: dict | None, gen: int = 0):
+        self.admin = admin
+        self.name = name
+        self.key = key
+        self.gen = gen
+
+
+UNAUTHORIZED = "Give a valid, active API key in the X-API-Key header."
+
+
+class Runtime:
+    def __init__(self, cfg, store: Store, gens=None, *, slot: int = 0):
+        self.cfg = cfg
+        self.store = store
+        self.gens = gens  # None: no shared generations, so nothing is cached (always correct)
+        self.slot = slot
+        self._keys: dict[str, tuple] = {}        # secret hash -> (gen, global?, principal-ish data)
+        self._queries: dict[str, tuple] = {}     # name -> (gen, query row, {version: row})
+        self._conns: dict[str, tuple] = {}       # name -> (gen, row, connector)
+        self._plans: dict[tuple, Any] = {}
+        self._schemas: dict[str, tuple] = {}
+        self._admins: dict[str, tuple] = {}
+        self._lock = threading.Lock()
+        self._mask_key: bytes | None = None
+        self._rate: dict[str, list] = {}
+        self.plan_hits = 0
+        self.plan_misses = 0
+
+    # -- changes -------------------------------------------------------------------------------
+    def changed(self, kind: str, ident: str) -> None:
+        """Called after a change commits and before it is acknowledged."""
+        if self.gens is not None:
+            self.gens.bump(kind, ident)
+
+    # -- authentication ----------------------------------------------------------------------
+    def authenticate(self, secret: str | None, client_ip: str | None) -> Principal:
+        if not secret:
+            raise ApiError(401, "unauthorized", UNAUTHORIZED)
+        cfg = self.cfg
+        if cfg.admin_key and hmac.compare_digest(secret.encode(), cfg.admin_key.encode()):
+            return Principal(True, "admin", None)
+        h = hash_secret(secret)
+        gens = self.gens
+        cached = self._keys.get(h)
+        if cached is not None and gens is not None:
+            name, gen, row, via_prev = cached
+            if name is not None and gens.gen("key", name) == gen:
+                return self._check_key(row, via_prev, client_ip, gen)
+            if name is None and gens.global_gen() == gen:  # an unknown secret or an admin token
+                if row is not None:
+                    return Principal(True, row, None)
+                raise ApiError(401, "unauthorized", UNAUTHORIZED)
+        gen_before = gens.global_gen() if gens is not None else 0
+        row, via_prev = self.store.find_key_by_hash(h)
+        if row is None:
+            admin = self.store.find_admin(h)
+            if gens is not None:
+                self._keys[h] = (None, gen_before, admin, False)
+            if admin:
+                return Principal(True, admin, None)
+            raise ApiError(401, "unauthorized", UNAUTHORIZED)
+        gen = 0
+        if gens is not None:
+            # The generation must be read before the row it validates: a change commits, then bumps.
+            gen = gens.gen("key", row["name"])
+            row, via_prev = self.store.find_key_by_hash(h)
+            if row is None:
+                raise ApiError(401, "unauthorized", UNAUTHORIZED)
+            self._keys[h] = (row["name"], gen, row, via_prev)
+        return self._check_key(row, via_prev, client_ip, gen)
+
+    def _check_key(self, row: dict, via_prev: bool, client_ip: str | None, gen: int) -> Principal:
+        if not row["active"]:
+            raise ApiError(401, "unauthorized", UNAUTHORIZED)
+        now = timeutil.now_text()
+        if row["expires_at"] and row["expires_at"] <= now:
+            raise ApiError(401, "unauthorized", UNAUTHORIZED)
+        if via_prev and not (row["prev_valid_until"] and row["prev_valid_until"] > now):
+            raise ApiError(401, "unauthorized", UNAUTHORIZED)
+        ips = row["grants"].get("allowed_ips")
+        if ips:
+            if not client_ip or not _ip_allowed(client_ip, ips):
+                raise ApiError(401, "unauthorized", UNAUTHORIZED)
+        return Principal(False, row["name"], row, gen)
+
+    def check_rate(self, principal: Principal) -> None:
+        """Per-key `N/period` limit (fixed window, per worker process)."""
+        spec = principal.key["grants"].get("rate_limit") if principal.key else None
+        if not spec:
+            return
+        count, period = parse_rate(spec)
+        now = time.monotonic()
+        with self._lock:
+            window = self._rate.get(principal.name)
+            if window is None or now - window[0] >= period:
+                window = [now, 0]
+                self._rate[principal.name] = window
+            window[1] += 1
+            if window[1] > count:
+                retry = max(1, int(period - (now - window[0]) + 0.999))
+                raise ApiError(429, "rate_limited",
+                               f"This key may make {spec}; wait {retry} s and retry.",
+                               {"retry_after": retry}, {"Retry-After": str(retry)})
+
+    # -- metadata, cached ----------------------------------------------------------------------
+    def query(self, name: str) -> tuple[dict | None, int]:
+        gens = self.gens
+        if gens is not None:
+            cached = self._queries.get(name)
+            g = gens.gen("query", name)
+            if cached is not None and cached[0] == g:
+                return cached[1], g
+        else:
+            g = 0
+        row = self.store.get_query(name)
+        if gens is not None:
+            self._queries[name] = (g, row, {})
+        return row, g
+
+    def version(self, name: str, version: int, gen: int) -> dict | None:
+        cached = self._queries.get(name) if self.gens is not None else None
+        if cached is not None and cached[0] == gen:
+            v = cached[2].get(version)
+            if v is not None:
+                return v
+        v = self.store.get_version(name, version)
+        if cached is not None and cached[0] == gen and v is not None:
+            cached[2][version] = v
+        return v
+
+    def connection(self, name: str) -> tuple[dict | None, Any, int]:
+        gens = self.gens
+        g = gens.gen("connection", name) if gens is not None else 0
+        cached = self._conns.get(name)
+        if cached is not None and cached[0] == g and gens is not None:
+            return cached[1], cached[2], g
+        row = self.store.get_connection(name)
+        connector = None
+        if row is not None:
+            if cached is not None and cached[1] is not None and _same_conn(cached[1], row):
+                connector = cached[2]  # keep the pool when nothing about the connection changed
+            else:
+                connector = connectors.make(row, self.store.connection_password(row), self.cfg)
+        if cached is not None and cached[2] is not None and cached[2] is not connector:
+            cached[2].close()
+        self._conns[name] = (g, row, connector)
+        return row, connector, g
+
+    def columns_of_factory(self, conn_name: str, connector, gen: int):
+        """A lazy `columns_of(schema, table)` introspecting the connection once per generation."""
+        def columns_of(schema: str, table: str):
+            cached = self._schemas.get(conn_name)
+            if cached is None or cached[0] != gen:
+                cat = connector.introspect()
+                low = {(s.lower(), t.lower()): c for (s, t), c in cat.items()}
+                cached = (gen, cat, low)
+                self._schemas[conn_name] = cached
+            cols = cached[1].get((schema, table))
+            if cols is None:
+                cols = cached[2].get((schema.lower(), table.lower()))
+            return list(cols) if cols is not None else None
+        return columns_of
+
+    def plan(self, principal: Principal, query_name: str, version_no: int | None):
+        """The plan for this caller and query, from cache when every generation still matches."""
+        qrow, qgen = self.query(query_name)
+        if qrow is None or not principal.admin and not _granted(principal.key, qrow):
+            raise ApiError(404, "query_not_found",
+                           f"There is no saved query named '{query_name}' that this key may run.")
+        if version_no is None:
+            version_no = qrow["published_version"]
+            if version_no is None:
+                raise ApiError(404, "not_published",
+                               f"The query '{query_name}' has no published version; publish one first.")
+        crow, connector, cgen = self.connection(qrow["connection_name"])
+        kgen = principal.gen
+        pkey = (principal.name if not principal.admin else "\x00admin", query_name, version_no)
+        gens = (kgen, qgen, cgen)
+        if self.gens is not None:
+            cached = self._plans.get(pkey)
+            if cached is not None and cached.gens == gens:
+                self.plan_hits += 1
+                return cached, crow, connector
+        self.plan_misses += 1
+        vrow = self.version(query_name, version_no, qgen)
+        if vrow is None:
+            raise ApiError(404, "query_not_found", f"The query '{query_name}' has no version {version_no}.")
+        if crow is None or connector is None:
+            raise ApiError(502, "connection_failed",
+                           f"The connection '{qrow['connection_name']}' of this query no longer exists.")
+        if not crow["active"]:
+            raise ApiError(502, "connection_failed",
+                           f"The connection '{crow['name']}' is inactive; an administrator must reactivate it.")
+        p = plan_mod.build(key=principal.key, query=qrow, version=vrow, connection=crow, connector=connector,
+                           cfg=self.cfg, gens=gens, columns_of=self.columns_of_factory(crow["name"], connector, cgen))
+        if self.gens is not None:
+            if len(self._plans) > 10000:
+                self._plans.clear()
+            self._plans[pkey] = p
+        return p, crow, connector
+
+    @property
+    def mask_key(self) -> bytes:
+        if self._mask_key is None:
+            if self.cfg.mask_key:
+                self._mask_key = self.cfg.mask_key.encode("utf-8")
+            else:
+                self._mask_key = self.store.kv_get_or_set("mask_key", lambda: secrets.token_hex(32)).encode("utf-8")
+        return self._mask_key
+
+    def pool_stats(self) -> dict[str, tuple[int, int]]:
+        out = {}
+        for name, (_, _, c) in list(self._conns.items()):
+            if c is not None:
+                out[name] = (c.in_use, c.idle_count())
+        return out
+
+    def close(self) -> None:
+        for _, _, c in list(self._conns.values()):
+            if c is not None:
+                c.close()
+        self._conns.clear()
+
+
+def _same_conn(a: dict, b: dict) -> bool:
+    fields = ("db", "host", "port", "user", "password_stored", "database", "options", "active")
+    return all(a.get(f) == b.get(f) for f in fields)
+
+
+def _granted(key: dict, qrow: dict) -> bool:
+    g = key["grants"]
+    qs = g.get("queries") or []
+    if qrow["name"] in qs or "*" in qs:
+        return True
+    cs = g.get("connections") or []
+    return qrow["connection_name"] in cs or "*" in cs
+
+
+def _ip_allowed(ip: str, nets: list[str]) -> bool:
+    try:
+        addr = ipaddress.ip_address(ip)
+    except ValueError:
+        return False
+    for n in nets:
+        try:
+            if addr in ipaddress.ip_network(n, strict=False):
+                return True
+        except ValueError:
+            continue
+    return False
+
+
+_PERIODS = {"second": 1, "minute": 60, "hour": 3600, "day": 86400}
+
+
+def parse_rate(spec: str) -> tuple[int, int]:
+    """'60/minute' -> (60, 60); the grammar QueryAPIGate uses for rate_limit."""
+    if not isinstance(spec, str) or "/" not in spec:
+        raise ValueError("rate_limit must look like '60/minute' (second, minute, hour or day)")
+    count, _, period = spec.partition("/")
+    period = period.strip().lower().rstrip("s")
+    if not count.strip().isdigit() or int(count) < 1 or period not in _PERIODS:
+        raise ValueError("rate_limit must look like '60/minute' (second, minute, hour or day)")
+    return int(count), _PERIODS[period]

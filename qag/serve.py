@@ -1,0 +1,168 @@
+"""`qag serve`: gunicorn's arbiter running the Falcon app, one worker per physical core, pinned.
+
+The arbiter migrates the store, creates the shared segment before it forks, starts the recorder, and
+gives each worker a slot (its index, reused by the worker that replaces it) and one logical CPU of
+its own physical core.
+"""
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import signal
+import sys
+
+from gunicorn.app.base import BaseApplication
+
+log = logging.getLogger("qag.serve")
+
+# Exit codes (named, as gunicorn names its own).
+EXIT_OK = 0
+EXIT_CONFIG = 2
+EXIT_STORE = 3
+
+_WORKER_SLOT: int | None = None
+_WORKER_CPU: int | None = None
+
+
+def allowed_cpus() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+def physical_cores(cpus: list[int] | None = None) -> list[list[int]]:
+    """Allowed logical CPUs grouped by physical core (package, core id), in CPU order."""
+    cpus = allowed_cpus() if cpus is None else cpus
+    groups: dict[tuple, list[int]] = {}
+    for cpu in cpus:
+        base = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+        try:
+            core = open(base + "core_id").read().strip()
+            pkg = open(base + "physical_package_id").read().strip()
+            key = (pkg, core)
+        except OSError:
+            key = ("cpu", str(cpu))  # no topology: every logical CPU is its own core
+        groups.setdefault(key, []).append(cpu)
+    return sorted(groups.values(), key=lambda g: g[0])
+
+
+def plan_workers(workers, cpus: list[int] | None = None) -> list[int]:
+    """The CPU each worker slot is pinned to: slot i gets the first logical CPU of core i (mod cores)."""
+    cores = physical_cores(cpus)
+    n = len(cores) if workers == "auto" else int(workers)
+    return [cores[i % len(cores)][0] for i in range(n)]
+
+
+def set_title(title: str) -> None:
+    try:
+        import setproctitle
+        setproctitle.setproctitle(title)
+    except ImportError:  # pragma: no cover
+        pass
+
+
+class QagGunicorn(BaseApplication):
+    def __init__(self, cfg, *, pin: bool, workers: int, cpu_plan: list[int], segment_name: str | None):
+        self.qcfg = cfg
+        self.pin = pin
+        self.nworkers = workers
+        self.cpu_plan = cpu_plan
+        self.segment_name = segment_name
+        super().__init__()
+
+    def load_config(self):
+        qcfg = self.qcfg
+        s = self.cfg.set
+        s("bind", [qcfg.bind])
+        s("workers", self.nworkers)
+        s("threads", qcfg.threads)
+        s("worker_class", "gthread")
+        s("proc_name", "qag")
+        s("limit_request_line", 0)  # a 1 MB parameter gets our JSON 400, not gunicorn's HTML
+        s("limit_request_field_size", 65536)
+        s("graceful_timeout", 20)
+        s("timeout", 60)
+        s("keepalive", 5)
+        s("loglevel", qcfg.log_level)
+        s("errorlog", "-")
+        if qcfg.access_log:
+            s("accesslog", "-")
+        s("pre_fork", self._pre_fork)
+        s("post_fork", self._post_fork)
+        s("when_ready", self._when_ready)
+        s("on_exit", self._on_exit)
+        s("child_exit", self._child_exit)
+
+    def _when_ready(self, server):
+        set_title("qag: arbiter")
+        hooks = getattr(self, "arbiter_hooks", None)
+        if hooks is not None:
+            hooks.ready(server)
+
+    def _pre_fork(self, server, worker):
+        used = {getattr(w, "qag_slot", None) for w in server.WORKERS.values()}
+        slot = next(i for i in range(len(used) + 1) if i not in used)
+        worker.qag_slot = slot
+
+    def _post_fork(self, server, worker):
+        global _WORKER_SLOT, _WORKER_CPU
+        slot = worker.qag_slot
+        _WORKER_SLOT = slot
+        cpu = None
+        if self.pin and self.cpu_plan:
+            cpu = self.cpu_plan[slot % len(self.cpu_plan)]
+            try:
+                os.sched_setaffinity(0, {cpu})
+            except OSError as exc:
+                log.warning("could not pin worker %d to CPU %d: %s", slot, cpu, exc)
+                cpu = None
+        _WORKER_CPU = cpu
+        set_title(f"qag: worker {slot} [cpu {cpu}]" if cpu is not None else f"qag: worker {slot}")
+
+    def _child_exit(self, server, worker):
+        hooks = getattr(self, "arbiter_hooks", None)
+        if hooks is not None:
+            hooks.worker_exited(getattr(worker, "qag_slot", None), worker.pid)
+
+    def _on_exit(self, server):
+        hooks = getattr(self, "arbiter_hooks", None)
+        if hooks is not None:
+            hooks.stop()
+
+    def load(self):
+        from qag.worker import build_worker_app
+        return build_worker_app(self.qcfg, slot=_WORKER_SLOT or 0, segment_name=self.segment_name)
+
+
+def run(cfg, *, pin: bool = True) -> int:
+    """Start the arbiter in this process (returns when it stops)."""
+    from qag.store import Store, StoreUnavailable
+    store = Store(home=cfg.home, database_url=cfg.database_url, secret_key=cfg.secret_key)
+    try:
+        store.migrate()
+    except StoreUnavailable as exc:
+        print(f"qag: cannot start: {exc}", file=sys.stderr)
+        return EXIT_STORE
+    except Exception as exc:  # e.g. a corrupt SQLite file, a PostgreSQL permission error
+        print(f"qag: cannot start: the metadata store failed to open: {exc}", file=sys.stderr)
+        return EXIT_STORE
+    finally:
+        store.close()
+    cpu_plan = plan_workers(cfg.workers)
+    workers = len(cpu_plan)
+    from qag import arbiter
+    hooks = arbiter.ArbiterHooks(cfg)
+    segment_name = hooks.start()
+    app = QagGunicorn(cfg, pin=pin and cfg.pin, workers=workers, cpu_plan=cpu_plan, segment_name=segment_name)
+    app.arbiter_hooks = hooks
+    try:
+        app.run()
+    finally:
+        hooks.stop()
+    return EXIT_OK
+
+
+def _ignore(*_):
+    pass
+
+
+signal.signal  # noqa: B018 - signal handlers are gunicorn's; ours only enqueue (see arbiter.py)

@@ -1,0 +1,39 @@
+"""RFC 3339 UTC timestamps, the only time format of the API."""
+from __future__ import annotations
+
+import datetime as _dt
+
+UTC = _dt.timezone.utc
+
+
+def now() -> _dt.datetime:
+    return _dt.datetime.now(UTC)
+
+
+def fmt(value: _dt.datetime | None) -> str | None:
+    if value is None:
+        return None
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=UTC)
+    value = value.astimezone(UTC)
+    return value.strftime("%Y-%m-%dT%H:%M:%S.") + f"{value.microsecond // 1000:03d}Z"
+
+
+def now_text() -> str:
+    return fmt(now())  # type: ignore[return-value]
+
+
+def parse(text: str) -> _dt.datetime:
+    """Parse RFC 3339 (a trailing Z or an offset; a date alone means midnight UTC)."""
+    if not isinstance(text, str) or not text:
+        raise ValueError("expected an RFC 3339 timestamp such as 2026-11-30T06:59:53Z")
+    t = text.strip()
+    if t.endswith(("Z", "z")):
+        t = t[:-1] + "+00:00"
+    try:
+        value = _dt.datetime.fromisoformat(t)
+    except ValueError:
+        raise ValueError(f"{text!r} is not an RFC 3339 timestamp such as 2026-11-30T06:59:53Z") from None
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=UTC)
+    return value.astimezone(UTC)
