@@ -1,0 +1,210 @@
+"""The recorder: the only consumer of the run rings and the only writer of runs.
+
+It drains every ring into batches (by size and by time), writes each batch as one transaction or
+insert that also records how far into each ring it got, and only then releases the rings' tails.
+So a recorder killed at any instant restarts from the store's durable positions: nothing in the
+rings is lost, and nothing already written is written again (exactly once).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+log = logging.getLogger("qag.recorder")
+
+
+def source_identity(source) -> str:
+    """Names the durable positions of one segment incarnation: its name and creation time, so a
+    segment created afresh (positions restart at 0) never resumes from an older one's positions."""
+    name = getattr(source, "name", None) or "default"
+    created = None
+    try:
+        created = source.stat().get("created_at_ns")
+    except Exception:
+        created = getattr(source, "created_at_ns", None)
+    return f"{name}@{created}" if created else str(name)
+
+
+class RecorderState:
+    """What the recorder publishes after each batch and at least once a second (its heartbeat)."""
+
+    __slots__ = ("source_id", "heartbeat_ns", "last_event_id", "records", "batches", "bad_records",
+                 "errors", "last_error", "positions", "lag_bytes", "started_ns")
+
+    def __init__(self, source_id: str):
+        self.source_id = source_id
+        self.started_ns = self.heartbeat_ns = time.time_ns()
+        self.last_event_id = 0
+        self.records = 0          # runs written since this process started
+        self.batches = 0
+        self.bad_records = 0      # payloads that were not run records (skipped, counted)
+        self.errors = 0           # failed writes (each retried until it succeeds)
+        self.last_error = ""
+        self.positions: dict[int, int] = {}   # ring slot -> durable position (== ring tail)
+        self.lag_bytes: dict[int, int] = {}   # ring slot -> head - durable position
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+def resume_positions(rings, durable: dict[int, int]) -> dict[int, int]:
+    """Where to read each ring from: the store's durable position when it lies in [tail, head]
+    (releasing up to it: those runs were written before a crash but not yet released), else the
+    tail (a fresh ring, or positions that belong to another segment)."""
+    cursor = {}
+    for slot, r in enumerate(rings):
+        tail, head = r.tail, r.head
+        p = durable.get(slot)
+        if p is not None and tail <= p <= head:
+            if p > tail:
+                r.release(p)
+            cursor[slot] = p
+        else:
+            if p is not None and p != tail:
+                log.warning("ring %d: stored position %d is outside [tail %d, head %d]; reading from the tail",
+                            slot, p, tail, head)
+            cursor[slot] = tail
+    return cursor
+
+
+def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 5000, batch_ms: int = 50,
+                 publish=None, source_id: str | None = None, prune_every_s: float = 10.0,
+                 prune_rows: int = 5000, idle_sleep_ms: float = 5.0, stop_grace_s: float = 5.0) -> RecorderState:
+    """Drain `source`'s rings into `store` until `stop_event` is set, then flush and return.
+
+    `publish(state)` is called after each committed batch and about once a second when idle. The
+    batch being written and the next one being read and formatted overlap (one writer thread), but
+    batches commit strictly in order, so event ids are committed in order.
+    """
+    sid = source_id or source_identity(source)
+    rings = [source.ring(i) for i in range(source.ring_count())]
+    state = RecorderState(sid)
+    cursor = resume_positions(rings, store.positions(sid))
+    state.positions = dict(cursor)
+    writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qag-recorder-writer")
+    pending = None            # (future, {slot: pos}, n records) of the batch being committed
+    batch: list = []
+    batch_t0 = 0.0
+    start = 0                 # ring the next read starts from, rotated so no ring starves the others
+    idle = 0.0005
+    next_prune = time.monotonic() + prune_every_s
+    last_publish = 0.0
+    nrings = len(rings)
+
+    def commit(prepared):
+        """Writer thread: commit, retrying until it succeeds; a write whose outcome we could not
+        see (connection lost at COMMIT) is checked against the durable positions first."""
+        delay = 0.05
+        stop_seen = None
+        while True:
+            try:
+                return store.commit(prepared)
+            except Exception as e:  # noqa: BLE001 - any store failure is retried, never dropped
+                if stop_event.is_set():
+                    stop_seen = stop_seen or time.monotonic()
+                    if time.monotonic() - stop_seen > stop_grace_s:
+                        raise  # stopping: the runs stay in the rings (tails not released)
+                state.errors += 1
+                state.last_error = f"{type(e).__name__}: {e}"[:500]
+                log.warning("run store write failed (retrying in %.2fs): %s", delay, state.last_error)
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+                try:
+                    durable = store.positions(sid)
+                    if prepared.positions and all(durable.get(s, -1) >= p for s, p in prepared.positions.items()):
+                        return (0, 0, 0)  # it did commit
+                except Exception:
+                    pass
+
+    def finish(p):
+        fut, positions, n = p
+        first, last, _written = fut.result()
+        for slot, pos in positions.items():
+            rings[slot].release(pos)
+            state.positions[slot] = pos
+        if last:
+            state.last_event_id = last
+        state.records += n
+        state.batches += 1
+        state.bad_records = getattr(store, "bad_records", 0)
+
+    def do_publish():
+        state.heartbeat_ns = time.time_ns()
+        for slot, r in enumerate(rings):
+            state.lag_bytes[slot] = r.head - state.positions.get(slot, 0)
+        if publish is not None:
+            try:
+                publish(state)
+            except Exception:  # noqa: BLE001 - a broken observer must not stop recording
+                log.exception("recorder publish callback failed")
+
+    try:
+        while True:
+            stopping = stop_event.is_set()
+            got = 0
+            room = batch_max - len(batch)
+            if room > 0 and nrings:
+                for k in range(nrings):
+                    slot = (start + k) % nrings
+                    recs = rings[slot].read_from(cursor[slot], room)
+                    if recs:
+                        if not batch:
+                            batch_t0 = time.monotonic()
+                        batch.extend([(slot, p, pl) for p, pl in recs])
+                        cursor[slot] = recs[-1][0]
+                        got += len(recs)
+                        room -= len(recs)
+                        if room <= 0:
+                            break
+                start = (start + 1) % nrings
+            now = time.monotonic()
+            if pending is not None and pending[0].done():
+                finish(pending)
+                pending = None
+                do_publish()
+                last_publish = now
+            full = len(batch) >= batch_max
+            due = batch and (full or stopping or (now - batch_t0) * 1000.0 >= batch_ms)
+            if due:
+                prepared = store.prepare(sid, batch)
+                if pending is not None:
+                    finish(pending)
+                    do_publish()
+                    last_publish = time.monotonic()
+                pending = (writer.submit(commit, prepared), prepared.positions, len(batch))
+                batch = []
+                idle = 0.0005
+                continue
+            if stopping:
+                if pending is not None:
+                    finish(pending)
+                    pending = None
+                do_publish()
+                return state
+            if got:
+                idle = 0.0005
+                continue
+            # Idle (or a partial batch waiting for its time): prune a chunk now and then, beat, sleep.
+            if now >= next_prune and pending is None and not batch:
+                deleted = 0
+                try:
+                    deleted = writer.submit(store.prune, prune_rows).result()
+                except Exception as e:  # noqa: BLE001 - retention retries on the next round
+                    log.warning("run store retention failed: %s", e)
+                # More expired rows: the next chunk soon, between batches, never one long delete.
+                next_prune = time.monotonic() + (0.2 if deleted else prune_every_s)
+            if now - last_publish >= 1.0:
+                do_publish()
+                last_publish = now
+            wait = idle
+            if batch:
+                wait = min(wait, max(0.0, batch_ms / 1000.0 - (now - batch_t0)))
+            stop_event.wait(wait)
+            idle = min(idle * 2, idle_sleep_ms / 1000.0)
+    finally:
+        writer.shutdown(wait=True)
+
+
+__all__ = ["run_recorder", "RecorderState", "resume_positions", "source_identity"]

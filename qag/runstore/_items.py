@@ -1,0 +1,133 @@
+"""Shared pieces of the run stores' read side: time arguments, cursors, and the API's run item."""
+from __future__ import annotations
+
+import datetime as _dt
+import os
+from dataclasses import dataclass
+
+UTC = _dt.timezone.utc
+_EPOCH = _dt.datetime(1970, 1, 1, tzinfo=UTC)
+
+# Column order every store's read queries return, mapped to API.md's run fields by run_item().
+READ_COLUMNS = ("event_id", "at_us", "query", "version", "key_name", "connection_name", "status",
+                "code", "rows", "duration_us", "request_id", "served_by")
+
+PERIOD_SECONDS = {"minute": 60, "hour": 3600, "day": 86400}
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    events_retention_hours: int = 24
+    history_retention_days: int = 30
+    history_sample_rate: float = 1.0
+    usage_retention_days: int = 400
+
+    @classmethod
+    def from_env(cls, **override) -> "StoreSettings":
+        env = os.environ
+        values = dict(
+            events_retention_hours=int(env.get("QAG_EVENTS_RETENTION_HOURS", "24")),
+            history_retention_days=int(env.get("QAG_HISTORY_RETENTION_DAYS", "30")),
+            history_sample_rate=float(env.get("QAG_HISTORY_SAMPLE_RATE", "1")),
+            usage_retention_days=int(env.get("QAG_USAGE_RETENTION_DAYS", "400")),
+        )
+        values.update({k: v for k, v in override.items() if v is not None})
+        if not 0.0 <= values["history_sample_rate"] <= 1.0:
+            raise ValueError("history_sample_rate must be between 0 and 1")
+        return cls(**values)
+
+
+# Deterministic sampling by event id: a multiplicative permutation modulo a prime, so consecutive
+# ids are spread evenly; the same expression is valid SQLite, PostgreSQL and ClickHouse SQL.
+SAMPLE_PRIME = 1000003
+
+
+def sample_threshold(rate: float) -> int:
+    return int(round(rate * SAMPLE_PRIME))
+
+
+def to_us(value) -> int | None:
+    """None, epoch microseconds (int), a datetime or an RFC 3339 string -> epoch microseconds."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, bool):
+        raise ValueError("expected a timestamp")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        text = value.strip()
+        if text.endswith(("Z", "z")):
+            text = text[:-1] + "+00:00"
+        try:
+            value = _dt.datetime.fromisoformat(text)
+        except ValueError:
+            raise ValueError(f"{value!r} is not an RFC 3339 timestamp such as 2026-11-30T06:59:53Z") from None
+    if isinstance(value, _dt.datetime):
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=UTC)
+        delta = value - _EPOCH
+        return (delta.days * 86400 + delta.seconds) * 1_000_000 + delta.microseconds
+    raise ValueError("expected a timestamp")
+
+
+def fmt_us(at_us: int) -> str:
+    """Epoch microseconds -> RFC 3339 UTC with milliseconds and Z (API.md)."""
+    d = _EPOCH + _dt.timedelta(microseconds=at_us)
+    return d.strftime("%Y-%m-%dT%H:%M:%S.") + f"{d.microsecond // 1000:03d}Z"
+
+
+def run_item(row) -> dict:
+    """A READ_COLUMNS row -> the API's run object."""
+    (event_id, at_us, query, version, key_name, connection, status, code, rows, duration_us,
+     request_id, served_by) = row
+    return {
+        "event_id": int(event_id),
+        "at": fmt_us(int(at_us)),
+        "query": query,
+        "version": version,
+        "key_name": key_name,
+        "connection_name": connection,
+        "status": int(status),
+        "code": code,
+        "rows": int(rows),
+        "duration_ms": round(int(duration_us) / 1000.0, 3),
+        "request_id": request_id,
+        "served_by": served_by,
+    }
+
+
+def parse_cursor(cursor) -> int | None:
+    if cursor is None or cursor == "":
+        return None
+    try:
+        value = int(cursor)
+    except (TypeError, ValueError):
+        raise ValueError("cursor is not one this server gave") from None
+    if value <= 0:
+        raise ValueError("cursor is not one this server gave")
+    return value
+
+
+def parse_status(status):
+    """status filter: an int (404), a class ("4xx"), "error" (>= 400) or "ok" (< 400) -> (lo, hi)."""
+    if status is None or status == "":
+        return None
+    if isinstance(status, int) and not isinstance(status, bool):
+        return (status, status)
+    text = str(status).strip().lower()
+    if text.isdigit():
+        return (int(text), int(text))
+    if len(text) == 3 and text[0] in "12345" and text[1:] == "xx":
+        lo = int(text[0]) * 100
+        return (lo, lo + 99)
+    if text in ("error", "errors", "failed"):
+        return (400, 999)
+    if text == "ok":
+        return (0, 399)
+    raise ValueError("status must be a code such as 404, a class such as 5xx, 'ok' or 'error'")
+
+
+def period_bounds(per: str):
+    if per not in PERIOD_SECONDS:
+        raise ValueError("per must be minute, hour or day")
+    return PERIOD_SECONDS[per]

@@ -1,0 +1,532 @@
+"""The default run store: tables beside the metadata store, in SQLite (a file, WAL) or PostgreSQL.
+
+One transaction per batch: mint the batch's event ids (a row lock on qag_event_clock, so concurrent
+writers on a shared PostgreSQL commit in id order), COPY the events, fill history and the
+per-minute usage rollup from them server-side, and move the ring positions the batch consumed.
+"""
+from __future__ import annotations
+
+import re
+import sqlite3
+import threading
+import time
+from collections import defaultdict
+
+import msgpack
+
+from ..runrecord import NFIELDS, VERSION
+from . import _items
+from ._items import READ_COLUMNS, StoreSettings, fmt_us, run_item  # noqa: F401
+from .eventid import EPOCH_MS, MAX_ID, id_floor, now_ms
+
+_COLS = ("event_id", "at_us", "key_name", "query", "version", "connection_name", "status", "code",
+         '"rows"', "duration_us", "bytes", "request_id", "served_by", "transport", "route")
+_COLLIST = ", ".join(_COLS)
+_READ = ", ".join('"rows"' if c == "rows" else c for c in READ_COLUMNS)
+
+_unpackb = msgpack.unpackb
+
+# COPY text format escapes (PostgreSQL docs, "COPY ... Text Format").
+_COPY_SPECIAL = re.compile(r"[\\\t\n\r]")
+_COPY_ESC = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
+
+
+class _CopyText(dict):
+    """str/int/None -> COPY text field; a cache, since names, codes and routes repeat run after run."""
+
+    def __missing__(self, value):
+        if value is None:
+            text = "\\N"
+        elif type(value) is str:
+            text = value.translate(_COPY_ESC) if _COPY_SPECIAL.search(value) else value
+        elif type(value) is int:
+            text = str(value)
+        else:
+            raise TypeError(f"unexpected {type(value).__name__} in a run record")
+        if len(self) > 100_000:  # bounded: unique strings must not grow it forever
+            self.clear()
+        self[value] = text
+        return text
+
+
+def _copy_lines(rows) -> list[str]:
+    """Records -> COPY text lines without the leading event id (minted at commit)."""
+    E = _CopyText()
+    sp, tr = _COPY_SPECIAL.search, _COPY_ESC
+    out = []
+    ap = out.append
+    for t in rows:
+        rid = t[11]  # unique per run: kept out of the cache
+        if type(rid) is not str:
+            rid = E[rid]
+        elif sp(rid):
+            rid = rid.translate(tr)
+        # ints are formatted as they come: a non-int there fails COPY (DataError) and the batch
+        # is retried through _valid(), so the fast path pays no per-field type checks.
+        ap(f"{t[1]}\t{E[t[2]]}\t{E[t[3]]}\t{E[t[4]]}\t{E[t[5]]}\t{t[6]}\t{E[t[7]]}\t{t[8]}\t{t[9]}\t"
+           f"{t[10]}\t{rid}\t{E[t[12]]}\t{E[t[13]]}\t{E[t[14]]}\n")
+    return out
+
+
+_INT_FIELDS = (1, 6, 8, 9, 10)
+_STR_FIELDS = (11, 12, 13, 14)
+_OPT_STR_FIELDS = (2, 3, 5, 7)
+
+
+def _valid(t) -> bool:
+    for i in _INT_FIELDS:
+        if type(t[i]) is not int or not -(1 << 63) <= t[i] < (1 << 63):
+            return False
+    for i in _STR_FIELDS:
+        if type(t[i]) is not str or "\x00" in t[i]:
+            return False
+    for i in _OPT_STR_FIELDS:
+        if t[i] is not None and (type(t[i]) is not str or "\x00" in t[i]):
+            return False
+    return t[4] is None or (type(t[4]) is int and -(1 << 31) <= t[4] < (1 << 31))
+
+
+class PreparedBatch:
+    __slots__ = ("source", "rows", "lines", "positions", "bad")
+
+    def __init__(self, source, rows, lines, positions, bad):
+        self.source, self.rows, self.lines, self.positions, self.bad = source, rows, lines, positions, bad
+
+
+def decode_payloads(records):
+    """[(slot, pos, payload)] -> (rows as tuples of the 14 record fields after v, bad count)."""
+    out = []
+    bad = 0
+    for _slot, _pos, payload in records:
+        try:
+            t = _unpackb(payload, use_list=False, raw=False)
+        except Exception:
+            bad += 1
+            continue
+        if type(t) is not tuple or len(t) < NFIELDS or t[0] != VERSION:
+            bad += 1
+            continue
+        out.append(t)
+    return out, bad
+
+
+def batch_positions(records) -> dict[int, int]:
+    pos: dict[int, int] = {}
+    for slot, p, _payload in records:
+        if p > pos.get(slot, -1):
+            pos[slot] = p
+    return pos
+
+
+class SqlRunStore:
+    """Run store in SQLite (`path`) or PostgreSQL (`dsn`). One instance per thread of use."""
+
+    kind = "sql"
+
+    def __init__(self, url: str, settings: StoreSettings | None = None):
+        self.url = url
+        self.settings = settings or StoreSettings.from_env()
+        self.pg = url.startswith(("postgresql://", "postgres://"))
+        self._lock = threading.Lock()
+        self.bad_records = 0
+        if self.pg:
+            import psycopg2
+
+            self._psycopg2 = psycopg2
+            self.conn = psycopg2.connect(url)
+            self.conn.autocommit = False
+        else:
+            path = url[len("sqlite:///"):] if url.startswith("sqlite:///") else url
+            if url.startswith("sqlite:///") and not path.startswith("/"):
+                path = "/" + path
+            self.path = path
+            self.conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
+            self.conn.execute("PRAGMA journal_mode=WAL")
+            # WAL + NORMAL: a commit survives a process crash (the case the recorder must survive);
+            # only an OS crash can lose the last commits, which the ring positions then replay.
+            self.conn.execute("PRAGMA synchronous=NORMAL")
+            self.conn.execute("PRAGMA busy_timeout=30000")
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def _q(self, sql: str) -> str:
+        return sql if self.pg else sql.replace("%s", "?")
+
+    def _pg_alive(self):
+        """Reconnect after the server dropped us (a restart, a failover): the recorder retries."""
+        if self.conn.closed:
+            self.conn = self._psycopg2.connect(self.url)
+
+    def _pg_failed(self, exc):
+        if isinstance(exc, (self._psycopg2.OperationalError, self._psycopg2.InterfaceError)):
+            try:
+                self.conn.close()
+            except Exception:
+                pass
+
+    def _read(self, sql, params=()):
+        with self._lock:
+            if self.pg:
+                self._pg_alive()
+                try:
+                    with self.conn.cursor() as cur:
+                        cur.execute(sql, params)
+                        rows = cur.fetchall()
+                    self.conn.rollback()  # end the read transaction: no snapshot held between calls
+                except BaseException as e:
+                    if not self.conn.closed:
+                        try:
+                            self.conn.rollback()
+                        except Exception:
+                            pass
+                    self._pg_failed(e)
+                    raise
+                return rows
+            return self.conn.execute(self._q(sql), params).fetchall()
+
+    def close(self):
+        try:
+            self.conn.close()
+        except Exception:
+            pass
+
+    # -- schema ------------------------------------------------------------------------------
+    def ensure_schema(self):
+        pk = "BIGINT PRIMARY KEY" if self.pg else "INTEGER PRIMARY KEY"
+        name = 'TEXT COLLATE "C"' if self.pg else "TEXT"  # byte order: no locale cost in the btrees
+        cols = (f"event_id {pk}, at_us BIGINT NOT NULL, key_name {name}, query {name}, version INTEGER, "
+                "connection_name TEXT, status INTEGER NOT NULL, code TEXT, \"rows\" BIGINT NOT NULL, "
+                "duration_us BIGINT NOT NULL, bytes BIGINT NOT NULL, request_id TEXT NOT NULL, "
+                "served_by TEXT NOT NULL, transport TEXT NOT NULL, route TEXT NOT NULL")
+        stmts = [
+            f"CREATE TABLE IF NOT EXISTS qag_events ({cols})",
+            f"CREATE TABLE IF NOT EXISTS qag_history ({cols})",
+            "CREATE INDEX IF NOT EXISTS qag_history_key ON qag_history (key_name, event_id)",
+            "CREATE INDEX IF NOT EXISTS qag_history_query ON qag_history (query, event_id)",
+            f"CREATE TABLE IF NOT EXISTS qag_usage_minute (minute BIGINT NOT NULL, key_name {name} NOT NULL, "
+            f"query {name} NOT NULL, calls BIGINT NOT NULL, errors BIGINT NOT NULL, \"rows\" BIGINT NOT NULL, "
+            "PRIMARY KEY (minute, key_name, query))",
+            "CREATE TABLE IF NOT EXISTS qag_recorder_positions (source TEXT NOT NULL, slot INTEGER NOT NULL, "
+            "position BIGINT NOT NULL, event_id BIGINT NOT NULL, updated_us BIGINT NOT NULL, "
+            "PRIMARY KEY (source, slot))",
+            "CREATE TABLE IF NOT EXISTS qag_event_clock (id INTEGER PRIMARY KEY CHECK (id = 1), "
+            "last_event_id BIGINT NOT NULL)",
+            "INSERT INTO qag_event_clock (id, last_event_id) VALUES (1, 0) ON CONFLICT DO NOTHING",
+        ]
+        with self._lock:
+            if self.pg:
+                with self.conn.cursor() as cur:
+                    # Concurrent CREATE ... IF NOT EXISTS can still collide in pg_type: serialise.
+                    cur.execute("SELECT pg_advisory_xact_lock(hashtext('qag_runstore_schema'))")
+                    for s in stmts:
+                        cur.execute(s)
+                self.conn.commit()
+            else:
+                self.conn.execute("BEGIN IMMEDIATE")
+                try:
+                    for s in stmts:
+                        self.conn.execute(s)
+                    self.conn.execute("COMMIT")
+                except BaseException:
+                    self.conn.execute("ROLLBACK")
+                    raise
+
+    # -- write side (the recorder) -------------------------------------------------------------
+    def positions(self, source: str) -> dict[int, int]:
+        rows = self._read("SELECT slot, position FROM qag_recorder_positions WHERE source = %s", (source,))
+        return {int(s): int(p) for s, p in rows}
+
+    def last_event_id(self) -> int:
+        rows = self._read("SELECT last_event_id FROM qag_event_clock WHERE id = 1")
+        return int(rows[0][0]) if rows else 0
+
+    def prepare(self, source: str, records) -> "PreparedBatch":
+        """CPU-only half of a write (decode, format), so the recorder can overlap it with the
+        previous batch's commit. `records` is [(slot, pos_after, payload)]."""
+        rows, bad = decode_payloads(records)
+        lines = None
+        if self.pg:
+            try:
+                lines = _copy_lines(rows)
+            except TypeError:
+                good = [t for t in rows if _valid(t)]
+                bad += len(rows) - len(good)
+                rows, lines = good, _copy_lines(good)
+        else:
+            # SQLite's type affinity would store a wrong-typed field silently: check each record.
+            good = [t for t in rows if _valid(t)]
+            bad += len(rows) - len(good)
+            rows = good
+        return PreparedBatch(source, rows, lines, batch_positions(records), bad)
+
+    def write_batch(self, source: str, records) -> tuple[int, int, int]:
+        """Write [(slot, pos_after, payload)] as one transaction and move `source`'s positions to
+        the largest pos per slot. Returns (first_event_id, last_event_id, rows written); ids are
+        0 when the batch held no valid record (positions still move past undecodable ones)."""
+        return self.commit(self.prepare(source, records))
+
+    def commit(self, batch: "PreparedBatch") -> tuple[int, int, int]:
+        with self._lock:
+            if self.pg:
+                try:
+                    out = self._write_pg(batch)
+                except self._psycopg2.DataError:
+                    # A record whose fields have the wrong types: drop those, keep the rest.
+                    good = [t for t in batch.rows if _valid(t)]
+                    batch.bad += len(batch.rows) - len(good)
+                    batch.rows, batch.lines = good, _copy_lines(good)
+                    out = self._write_pg(batch)
+            else:
+                out = self._write_sqlite(batch)
+        self.bad_records += batch.bad
+        return out
+
+    def _history_filter(self) -> str:
+        rate = self.settings.history_sample_rate
+        if rate >= 1.0:
+            return ""
+        thr = _items.sample_threshold(rate)
+        return (f" AND (status >= 400 OR code IS NOT NULL OR "
+                f"((event_id % {_items.SAMPLE_PRIME}) * 7919) % {_items.SAMPLE_PRIME} < {thr})")
+
+    def _derived_sql(self):
+        hist = (f"INSERT INTO qag_history ({_COLLIST}) SELECT {_COLLIST} FROM qag_events "
+                f"WHERE event_id BETWEEN %s AND %s{self._history_filter()}")
+        usage = ("INSERT INTO qag_usage_minute (minute, key_name, query, calls, errors, \"rows\") "
+                 "SELECT (at_us / 60000000) * 60, COALESCE(key_name, ''), COALESCE(query, ''), count(*), "
+                 "sum(CASE WHEN status >= 400 THEN 1 ELSE 0 END), sum(\"rows\") FROM qag_events "
+                 "WHERE event_id BETWEEN %s AND %s GROUP BY 1, 2, 3 "
+                 "ON CONFLICT (minute, key_name, query) DO UPDATE SET calls = qag_usage_minute.calls + excluded.calls, "
+                 "errors = qag_usage_minute.errors + excluded.errors, \"rows\" = qag_usage_minute.\"rows\" + excluded.\"rows\"")
+        posq = ("INSERT INTO qag_recorder_positions (source, slot, position, event_id, updated_us) "
+                "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (source, slot) DO UPDATE SET "
+                "position = excluded.position, event_id = excluded.event_id, updated_us = excluded.updated_us")
+        return hist, usage, posq
+
+    _CLOCK = ("UPDATE qag_event_clock SET last_event_id = "
+              "CASE WHEN last_event_id + %s > %s THEN last_event_id + %s ELSE %s END "
+              "WHERE id = 1 RETURNING last_event_id")
+
+    def _clock_params(self, n):
+        floor_last = id_floor(now_ms()) + n - 1
+        return (n, floor_last, n, floor_last)
+
+    def _write_pg(self, b):
+        source, rows, pos, n = b.source, b.rows, b.positions, len(b.rows)
+        hist, usage, posq = self._derived_sql()
+        self._pg_alive()
+        cur = self.conn.cursor()
+        try:
+            first = last = 0
+            if n:
+                cur.execute(self._CLOCK, self._clock_params(n))
+                last = cur.fetchone()[0]
+                first = last - n + 1
+                if last > MAX_ID:
+                    raise OverflowError("event ids exhausted (2**53)")
+                text = "".join(map("{}\t{}".format, range(first, last + 1), b.lines))
+                cur.copy_expert(f"COPY qag_events ({_COLLIST}) FROM STDIN", _StrReader(text))
+                cur.execute(hist, (first, last))
+                cur.execute(usage, (first, last))
+            now_us = time.time_ns() // 1000
+            for slot, p in pos.items():
+                cur.execute(posq, (source, slot, p, last, now_us))
+            self.conn.commit()
+            return first, last, n
+        except BaseException as e:
+            if not self.conn.closed:
+                try:
+                    self.conn.rollback()
+                except Exception:
+                    pass
+            self._pg_failed(e)
+            raise
+        finally:
+            cur.close()
+
+    def _write_sqlite(self, b):
+        source, rows, pos, n = b.source, b.rows, b.positions, len(b.rows)
+        hist, usage, posq = (self._q(s) for s in self._derived_sql())
+        c = self.conn
+        c.execute("BEGIN IMMEDIATE")
+        try:
+            first = last = 0
+            if n:
+                last = c.execute(self._q(self._CLOCK), self._clock_params(n)).fetchone()[0]
+                first = last - n + 1
+                if last > MAX_ID:
+                    raise OverflowError("event ids exhausted (2**53)")
+                c.executemany(f"INSERT INTO qag_events ({_COLLIST}) VALUES ({', '.join('?' * 15)})",
+                              [(first + i,) + t[1:15] for i, t in enumerate(rows)])
+                c.execute(hist, (first, last))
+                c.execute(usage, (first, last))
+            now_us = time.time_ns() // 1000
+            c.executemany(posq, [(source, slot, p, last, now_us) for slot, p in pos.items()])
+            c.execute("COMMIT")
+            return first, last, n
+        except BaseException:
+            c.execute("ROLLBACK")
+            raise
+
+    def prune(self, max_rows: int = 5000, now_ms_: int | None = None) -> int:
+        """Delete at most `max_rows` expired rows per table (bounded so ingestion never stalls
+        behind a long delete). Returns rows deleted; call again while it returns > 0."""
+        t = now_ms() if now_ms_ is None else now_ms_
+        s = self.settings
+        ev_cut = id_floor(t - s.events_retention_hours * 3_600_000)
+        hi_cut = id_floor(t - s.history_retention_days * 86_400_000)
+        us_cut = (t - s.usage_retention_days * 86_400_000) // 1000
+        total = 0
+        stmts = [
+            ("DELETE FROM qag_events WHERE event_id IN (SELECT event_id FROM qag_events "
+             "WHERE event_id < %s ORDER BY event_id LIMIT %s)", (ev_cut, max_rows)),
+            ("DELETE FROM qag_history WHERE event_id IN (SELECT event_id FROM qag_history "
+             "WHERE event_id < %s ORDER BY event_id LIMIT %s)", (hi_cut, max_rows)),
+            ("DELETE FROM qag_usage_minute WHERE (minute, key_name, query) IN (SELECT minute, key_name, query "
+             "FROM qag_usage_minute WHERE minute < %s ORDER BY minute LIMIT %s)", (us_cut, max_rows)),
+        ]
+        with self._lock:
+            for sql, params in stmts:
+                if self.pg:
+                    with self.conn.cursor() as cur:
+                        cur.execute(sql, params)
+                        total += cur.rowcount
+                    self.conn.commit()
+                else:
+                    total += self.conn.execute(self._q(sql), params).rowcount
+        return total
+
+    # -- read side (the HTTP routes) -------------------------------------------------------------
+    def history(self, query=None, key=None, status=None, since=None, until=None, limit=100, cursor=None):
+        """Newest first. Returns (items, next_cursor); next_cursor is None on the last page."""
+        limit = max(1, min(int(limit), 1000))
+        where, params = [], []
+        before = _items.parse_cursor(cursor)
+        if before is not None:
+            where.append("event_id < %s")
+            params.append(before)
+        if query:
+            where.append("query = %s")
+            params.append(query)
+        if key:
+            where.append("key_name = %s")
+            params.append(key)
+        st = _items.parse_status(status)
+        if st:
+            where.append("status BETWEEN %s AND %s")
+            params += list(st)
+        since_us, until_us = _items.to_us(since), _items.to_us(until)
+        if since_us is not None:
+            # A run is recorded after it starts, so its id is >= the id floor of its start (1 s of
+            # slack for clocks): this bound lets the primary key narrow the scan.
+            where += ["at_us >= %s", "event_id >= %s"]
+            params += [since_us, id_floor(since_us // 1000 - 1000)]
+        if until_us is not None:
+            where.append("at_us < %s")
+            params.append(until_us)
+        sql = f"SELECT {_READ} FROM qag_history"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY event_id DESC LIMIT %s"
+        params.append(limit + 1)
+        rows = self._read(sql, tuple(params))
+        items = [run_item(r) for r in rows[:limit]]
+        nxt = str(items[-1]["event_id"]) if len(rows) > limit else None
+        return items, nxt
+
+    def events_after(self, event_id: int = 0, key_name: str | None = None, limit: int = 1000):
+        """Events with id > event_id, oldest first. Every one returned is committed, and ids are
+        minted under the clock row lock in commit order, so none with a smaller id can appear later."""
+        limit = max(1, min(int(limit), 100_000))
+        if key_name is not None:
+            rows = self._read(f"SELECT {_READ} FROM qag_events WHERE key_name = %s AND event_id > %s "
+                              "ORDER BY event_id LIMIT %s", (key_name, int(event_id), limit))
+        else:
+            rows = self._read(f"SELECT {_READ} FROM qag_events WHERE event_id > %s ORDER BY event_id LIMIT %s",
+                              (int(event_id), limit))
+        return [run_item(r) for r in rows]
+
+    def usage(self, per="hour", since=None, until=None, key=None, query=None):
+        """Calls, errors and rows per period, oldest first: whole minutes from the rollup, partial
+        minutes at the edges from the event table (exact while the events are kept)."""
+        step = _items.period_bounds(per)
+        since_us, until_us = _items.to_us(since), _items.to_us(until)
+        where, params = [], []
+        if key:
+            where.append("key_name = %s")
+            params.append(key)
+        if query:
+            where.append("query = %s")
+            params.append(query)
+        buckets: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])
+
+        def add(rows):
+            for p, calls, errors, nrows in rows:
+                b = buckets[int(p)]
+                b[0] += int(calls)
+                b[1] += int(errors or 0)
+                b[2] += int(nrows or 0)
+
+        # whole minutes: [ceil(since), floor(until))
+        m_lo = None if since_us is None else -(-since_us // 60_000_000) * 60
+        m_hi = None if until_us is None else (until_us // 60_000_000) * 60
+        w, p = list(where), list(params)
+        if m_lo is not None:
+            w.append("minute >= %s")
+            p.append(m_lo)
+        if m_hi is not None:
+            w.append("minute < %s")
+            p.append(m_hi)
+        sql = (f"SELECT (minute / {step}) * {step}, sum(calls), sum(errors), sum(\"rows\") FROM qag_usage_minute"
+               + (" WHERE " + " AND ".join(w) if w else "") + " GROUP BY 1")
+        add(self._read(sql, tuple(p)))
+        # edges, from events
+        edges = []
+        if since_us is not None and m_lo * 1_000_000 > since_us:
+            edges.append((since_us, min(m_lo * 1_000_000, until_us if until_us is not None else 1 << 62)))
+        if until_us is not None and m_hi * 1_000_000 < until_us:
+            lo = m_hi * 1_000_000
+            if since_us is not None:
+                lo = max(lo, since_us)
+            if not edges or edges[0] != (lo, until_us):
+                edges.append((lo, until_us))
+        for lo, hi in edges:
+            if lo >= hi:
+                continue
+            w = list(where) + ["at_us >= %s", "at_us < %s"]
+            sql = (f"SELECT (at_us / {step * 1_000_000}) * {step}, count(*), "
+                   "sum(CASE WHEN status >= 400 THEN 1 ELSE 0 END), sum(\"rows\") FROM qag_events WHERE "
+                   + " AND ".join(w) + " GROUP BY 1")
+            add(self._read(sql, tuple(params) + (lo, hi)))
+        return [{"period": fmt_us(k * 1_000_000), "calls": v[0], "errors": v[1], "rows": v[2]}
+                for k, v in sorted(buckets.items())]
+
+    # -- introspection ---------------------------------------------------------------------------
+    def counts(self) -> dict:
+        out = {}
+        for t in ("qag_events", "qag_history"):
+            out[t] = int(self._read(f"SELECT count(*) FROM {t}")[0][0])
+        out["usage_calls"] = int(self._read("SELECT COALESCE(sum(calls), 0) FROM qag_usage_minute")[0][0])
+        return out
+
+
+class _StrReader:
+    """File-like over one str for copy_expert, encoded in 1 MiB slices (no second full copy)."""
+
+    __slots__ = ("_s", "_i")
+
+    def __init__(self, s: str):
+        self._s = s
+        self._i = 0
+
+    def read(self, size=-1):
+        if size is None or size < 0:
+            size = len(self._s)
+        size = max(size, 1 << 20)
+        chunk = self._s[self._i:self._i + size]
+        self._i += len(chunk)
+        return chunk.encode()
+
+    readline = read
+
+
+__all__ = ["SqlRunStore", "StoreSettings", "EPOCH_MS"]
