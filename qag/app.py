@@ -66,6 +66,9 @@ def read_json(req, cfg, *, allow_empty: bool = False) -> dict:
 
 
 class RequestIdMiddleware:
+    def __init__(self, app: "QagApp"):
+        self.app = app
+
     def process_request(self, req, resp):
         req.context.request_id = request_id(req)
         req.context.started = time.perf_counter()
@@ -74,6 +77,12 @@ class RequestIdMiddleware:
         rid = req.context.get("request_id")
         if rid:
             resp.set_header("X-Request-Id", rid)
+        route = req.uri_template
+        if route != DataResource.ROUTE:  # data calls are observed by finish(), with their rows and timings
+            status = resp.status if isinstance(resp.status, int) else int(str(resp.status).split()[0])
+            code = req.context.get("error_code")
+            self.app.observer.request(route or "other", status, code, 0,
+                                      time.perf_counter() - req.context.get("started", time.perf_counter()))
 
 
 class DataResource:
@@ -306,7 +315,7 @@ class QagApp:
         self.recorder = recorder  # callable(run: dict) or None
         self.segment = segment
         self._apply = None
-        self.falcon = falcon.App(middleware=[RequestIdMiddleware()])
+        self.falcon = falcon.App(middleware=[RequestIdMiddleware(self)])
         self.falcon.req_options.auto_parse_qs_csv = False
         self.falcon.req_options.keep_blank_qs_values = True
         self.falcon.resp_options.secure_cookies_by_default = False
@@ -339,7 +348,7 @@ class QagApp:
     # -- errors --------------------------------------------------------------------------------
     def _on_api_error(self, req, resp, err, params):
         send_error(req, resp, err)
-        self._count(req, err.status, err.code)
+        req.context.error_code = err.code
 
     def _on_http_error(self, req, resp, err, params):
         status = int(str(err.status).split()[0]) if not isinstance(err.status, int) else err.status
@@ -355,7 +364,7 @@ class QagApp:
             allow = err.headers.get("Allow")
             if allow:
                 resp.set_header("Allow", allow)
-        self._count(req, status, code)
+        req.context.error_code = code
 
     def _on_exception(self, req, resp, exc, params):
         if isinstance(exc, StoreUnavailable):
@@ -366,13 +375,7 @@ class QagApp:
             logging.getLogger("qag").exception("unhandled error on %s %s", req.method, req.path)
             err = ApiError(500, "internal_error", "qag failed to handle this request; the error is in its log.")
         send_error(req, resp, err)
-        self._count(req, err.status, err.code)
-
-    def _count(self, req, status, code):
-        route = req.uri_template or "other"
-        if route == DataResource.ROUTE:
-            return  # counted by finish()
-        self.observer.request(route, status, code, 0, time.perf_counter() - req.context.get("started", time.perf_counter()))
+        req.context.error_code = err.code
 
     def _not_found(self, req, resp, **kw):
         raise ApiError(404, "not_found", f"There is no route {req.method} {req.path}; see /openapi.json.")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import glob
 import logging
 import os
-import signal
 import sys
 
 from gunicorn.app.base import BaseApplication
@@ -91,6 +90,7 @@ class QagGunicorn(BaseApplication):
         s("when_ready", self._when_ready)
         s("on_exit", self._on_exit)
         s("child_exit", self._child_exit)
+        s("control_socket_disable", True)  # two instances on one host must not share ~/.gunicorn/gunicorn.ctl
 
     def _when_ready(self, server):
         set_title("qag: arbiter")
@@ -152,6 +152,12 @@ def run(cfg, *, pin: bool = True) -> int:
     from qag import arbiter
     hooks = arbiter.ArbiterHooks(cfg)
     segment_name = hooks.start()
+    import gunicorn.util
+
+    def _title(title: str) -> None:  # gunicorn names its master "master [qag]"; ours is "qag: arbiter"
+        if title.startswith("master"):
+            set_title("qag: arbiter")
+    gunicorn.util._setproctitle = _title
     app = QagGunicorn(cfg, pin=pin and cfg.pin, workers=workers, cpu_plan=cpu_plan, segment_name=segment_name)
     app.arbiter_hooks = hooks
     try:
@@ -160,9 +166,3 @@ def run(cfg, *, pin: bool = True) -> int:
         hooks.stop()
     return EXIT_OK
 
-
-def _ignore(*_):
-    pass
-
-
-signal.signal  # noqa: B018 - signal handlers are gunicorn's; ours only enqueue (see arbiter.py)

@@ -1,0 +1,39 @@
+"""Settings: declared once, malformed ones named, the README's reference generated from them."""
+import os
+
+import pytest
+
+from qag import config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_defaults():
+    cfg = config.load({})
+    assert cfg.workers == "auto" and cfg.max_page_size == 1000 and cfg.allow_writes is False
+    assert cfg.query_timeout == 30.0 and cfg.bind == "127.0.0.1:8080"
+
+
+@pytest.mark.parametrize("env,name", [({"QAG_WORKERS": "two"}, "QAG_WORKERS"), ({"QAG_MAX_PAGE_SIZE": "0"},
+                                      "QAG_MAX_PAGE_SIZE"), ({"QAG_ALLOW_WRITES": "maybe"}, "QAG_ALLOW_WRITES"),
+                                      ({"QAG_BIND": "nowhere"}, "QAG_BIND"), ({"QAG_QUERY_TIMEOUT": "-1"},
+                                      "QAG_QUERY_TIMEOUT"), ({"QAG_DATABASE_URL": "mysql://x"}, "QAG_DATABASE_URL"),
+                                      ({"QAG_HISTORY_SAMPLE_RATE": "2"}, "QAG_HISTORY_SAMPLE_RATE")])
+def test_malformed_setting_named(env, name):
+    with pytest.raises(config.SettingError) as ei:
+        config.load(env)
+    assert name in str(ei.value)
+
+
+def test_parsed_types():
+    cfg = config.load({"QAG_WORKERS": "3", "QAG_ALLOW_WRITES": "yes", "QAG_QUERY_TIMEOUT": "2.5"})
+    assert cfg.workers == 3 and cfg.allow_writes is True and cfg.query_timeout == 2.5
+
+
+def test_every_setting_documented_in_readme():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    assert config.reference_markdown() in readme, "regenerate the README's reference with `qag config --reference`"
+
+
+def test_secrets_not_in_repr():
+    assert "s3cret" not in repr(config.load({"QAG_ADMIN_KEY": "s3cret"}))
