@@ -1,0 +1,424 @@
+"""Statement analysis: parse one statement with sqlglot and find its writes, tables and file/server-reaching parts.
+
+Everything here is decided from the parsed tree, never from guesses about text; what sqlglot cannot parse
+is refused (400 invalid_sql). Results are cached per (sql, dialect) because plans are rebuilt often.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+
+import sqlglot
+from sqlglot import exp
+from sqlglot.errors import SqlglotError
+
+from .errors import GovernanceError
+
+# sqlglot logs a warning whenever it falls back to exp.Command; we handle that case ourselves.
+logging.getLogger("sqlglot").setLevel(logging.ERROR)
+
+DIALECTS = {
+    "postgres": "postgres", "postgresql": "postgres", "pg": "postgres",
+    "mysql": "mysql", "mariadb": "mysql",
+    "sqlite": "sqlite", "sqlite3": "sqlite",
+    "clickhouse": "clickhouse",
+}
+
+# Roots that only read. Anything else is a write (a known class) or refused as not analysable.
+_READ_ROOTS = (exp.Select, exp.SetOperation, exp.Values, exp.Subquery)
+
+# Statement classes that change state, with the write-op name an operator grants in allowed_write_ops.
+_WRITE_CLASSES: tuple[tuple[type, str], ...] = tuple(
+    (cls, op) for cls, op in (
+        (getattr(exp, "Insert", None), "insert"),
+        (getattr(exp, "Update", None), "update"),
+        (getattr(exp, "Delete", None), "delete"),
+        (getattr(exp, "Merge", None), "merge"),
+        (getattr(exp, "Create", None), "create"),
+        (getattr(exp, "Drop", None), "drop"),
+        (getattr(exp, "Alter", None), "alter"),
+        (getattr(exp, "TruncateTable", None), "truncate"),
+        (getattr(exp, "Grant", None), "grant"),
+        (getattr(exp, "Revoke", None), "revoke"),
+        (getattr(exp, "Copy", None), "copy"),
+        (getattr(exp, "Set", None), "set"),
+        (getattr(exp, "Transaction", None), "transaction"),
+        (getattr(exp, "Commit", None), "transaction"),
+        (getattr(exp, "Rollback", None), "transaction"),
+        (getattr(exp, "Pragma", None), "pragma"),
+        (getattr(exp, "Attach", None), "attach"),
+        (getattr(exp, "Detach", None), "detach"),
+        (getattr(exp, "Use", None), "use"),
+        (getattr(exp, "Analyze", None), "analyze"),
+        (getattr(exp, "Cache", None), "cache"),
+        (getattr(exp, "Uncache", None), "cache"),
+        (getattr(exp, "LoadData", None), "load"),
+        (getattr(exp, "Refresh", None), "refresh"),
+        (getattr(exp, "Comment", None), "comment"),
+        (getattr(exp, "Kill", None), "kill"),
+        (getattr(exp, "Declare", None), "set"),
+    ) if cls is not None
+)
+_WRITE_CLASS_TUPLE = tuple(cls for cls, _ in _WRITE_CLASSES)
+
+# Functions that read or write server files, reach other servers, run SQL given as text (so escape the
+# allow-list) or act on other sessions/the server. Names are compared lowercased, schema stripped.
+_UNSAFE_FUNCS = {
+    "postgres": frozenset("""
+        pg_read_file pg_read_binary_file pg_ls_dir pg_stat_file pg_ls_logdir pg_ls_waldir pg_ls_tmpdir
+        pg_ls_archive_statusdir pg_ls_logicalsnapdir pg_ls_logicalmapdir pg_ls_replslotdir
+        lo_import lo_export lo_get lo_put lo_from_bytea lo_create lo_creat lo_unlink lo_open lo_truncate
+        lowrite loread lo_close lo_lseek lo_tell
+        pg_file_write pg_file_rename pg_file_unlink pg_file_sync pg_logdir_ls pg_logfile_rotate
+        pg_rotate_logfile pg_reload_conf pg_terminate_backend pg_cancel_backend pg_promote pg_switch_wal
+        pg_create_restore_point pg_create_physical_replication_slot pg_create_logical_replication_slot
+        pg_drop_replication_slot pg_logical_slot_get_changes pg_logical_slot_peek_changes
+        pg_logical_slot_get_binary_changes pg_logical_slot_peek_binary_changes pg_logical_emit_message
+        pg_copy_physical_replication_slot pg_copy_logical_replication_slot pg_replication_slot_advance
+        query_to_xml query_to_xmlschema query_to_xml_and_xmlschema table_to_xml table_to_xmlschema
+        table_to_xml_and_xmlschema cursor_to_xml cursor_to_xmlschema schema_to_xml schema_to_xmlschema
+        schema_to_xml_and_xmlschema database_to_xml database_to_xmlschema database_to_xml_and_xmlschema
+        ts_stat pg_import_system_collations pg_stat_reset pg_stat_reset_shared pg_stat_reset_single_table_counters
+        pg_stat_reset_single_function_counters pg_stat_reset_slru pg_stat_reset_replication_slot
+    """.split()),
+    "mysql": frozenset("load_file sys_exec sys_eval sys_get sys_set sys_bineval".split()),
+    "sqlite": frozenset("load_extension readfile writefile edit fts3_tokenizer zipfile fsdir sqlar_uncompress".split()),
+    "clickhouse": frozenset("""
+        file url urlcluster s3 s3cluster gcs oss cosn hdfs hdfscluster remote remotesecure cluster
+        clusterallreplicas mysql postgresql sqlite mongodb redis jdbc odbc azureblobstorage
+        azureblobstoragecluster iceberg icebergs3 icebergazure iceberghdfs icebergcluster deltalake
+        deltalakecluster hudi hudicluster executable input merge loop filecluster dictionary
+        fuzzjson fuzzquery timeseriesdata timeseriesmetrics timeseriestags mergetreeindex mergetreeprojection
+        arrowflight arrowflightcluster ytsaurus paimon
+    """.split()),
+}
+_UNSAFE_PREFIXES = {"postgres": ("dblink", "binary_upgrade_", "pg_replication_origin_"), "mysql": (),
+                    "sqlite": (), "clickhouse": ()}
+
+# ClickHouse table functions that only compute values (anything else in FROM is refused as unsafe:
+# most of them reach files, URLs or other servers, and merge()/loop() read tables chosen by a pattern).
+_CLICKHOUSE_SAFE_TABLE_FUNCS = frozenset(
+    "numbers numbers_mt zeros zeros_mt generaterandom values view null generate_series generateseries format".split())
+
+# Functions that change state even inside a SELECT; value = write op.
+_WRITE_FUNCS = {
+    "postgres": {"nextval": "sequence", "setval": "sequence", "set_config": "set", "pg_notify": "notify",
+                 "pg_advisory_lock": "lock", "pg_advisory_lock_shared": "lock", "pg_advisory_xact_lock": "lock",
+                 "pg_advisory_xact_lock_shared": "lock", "pg_try_advisory_lock": "lock",
+                 "pg_try_advisory_lock_shared": "lock", "pg_try_advisory_xact_lock": "lock",
+                 "pg_try_advisory_xact_lock_shared": "lock", "pg_advisory_unlock": "lock",
+                 "pg_advisory_unlock_shared": "lock", "pg_advisory_unlock_all": "lock"},
+    "mysql": {"get_lock": "lock", "release_lock": "lock", "release_all_locks": "lock",
+              "setval": "sequence", "nextval": "sequence", "lastval": "sequence"},
+    "sqlite": {},
+    "clickhouse": {},
+}
+
+# exp.Command keywords (statements sqlglot does not model) that reach files or servers.
+_UNSAFE_COMMANDS = frozenset({"load", "backup", "restore", "install", "attach", "detach", "handler", "source"})
+_EXPLAIN_OPTIONS = re.compile(r"^\s*(?:\((?:[^()]|\([^()]*\))*\)|analy[sz]e\b|verbose\b|query\s+plan\b|"
+                              r"extended\b|partitions\b|format\s*=\s*\w+|pipeline\b|plan\b|syntax\b|ast\b|"
+                              r"estimate\b|indexes\s*=\s*\d)\s*", re.I)
+# MySQL/MariaDB run the text of /*! ... */ and /*M! ... */ comments; sqlglot drops comments.
+_MYSQL_EXEC_COMMENT = re.compile(r"/\*M?!", re.I)
+_MYSQL_UNPARSED_UNSAFE = re.compile(r"\binto\s+(?:outfile|dumpfile)\b|\bload\s+(?:data|xml)\b|\bload_file\s*\(",
+                                    re.I)
+_CH_UNPARSED_UNSAFE = re.compile(r"\binto\s+outfile\b", re.I)
+
+
+def canonical_dialect(dialect: str) -> str:
+    try:
+        return DIALECTS[dialect.lower()]
+    except (KeyError, AttributeError):
+        raise GovernanceError(400, "invalid_sql", f"unknown SQL dialect {dialect!r}; "
+                              "use postgres, mysql, sqlite or clickhouse") from None
+
+
+def normalize_identifier(ident, dialect: str) -> str:
+    """Name comparison rules: PostgreSQL folds unquoted names to lower case; MySQL/MariaDB and SQLite are
+    compared case-insensitively (as the contract asks for database.table); ClickHouse is case-sensitive."""
+    if isinstance(ident, exp.Identifier):
+        text, quoted = ident.this, ident.quoted
+    else:
+        text, quoted = str(ident), False
+    if dialect == "clickhouse":
+        return text
+    if dialect == "postgres" and quoted:
+        return text
+    return text.lower()
+
+
+def func_name(node: exp.Func) -> str:
+    if isinstance(node, exp.Anonymous):
+        this = node.this
+        return (this.this if isinstance(this, exp.Identifier) else str(this)).lower()
+    return node.sql_name().lower()
+
+
+class Analysis:
+    """What one statement is, from its parsed tree. Shared through the cache: treat as read-only."""
+
+    __slots__ = ("sql", "dialect", "tree", "is_write", "write_ops", "unsafe", "table_refs", "opaque",
+                 "explain", "has_output")
+
+    def __init__(self, sql, dialect, tree, is_write, write_ops, unsafe, table_refs, opaque, explain, has_output):
+        self.sql = sql
+        self.dialect = dialect
+        self.tree = tree                      # sqlglot tree of the statement (for EXPLAIN: the explained one)
+        self.is_write = is_write
+        self.write_ops = write_ops            # frozenset[str]
+        self.unsafe = unsafe                  # tuple[str, ...]: names of file/server-reaching parts
+        self.table_refs = table_refs          # tuple[(db | None, name)], normalized, CTE names excluded
+        self.opaque = opaque                  # str | None: why the tables read cannot be known
+        self.explain = explain                # output is a plan, not data
+        self.has_output = has_output          # whether rows of data come back (SELECT, RETURNING, ...)
+
+    def __repr__(self) -> str:
+        return (f"Analysis(is_write={self.is_write}, write_ops={sorted(self.write_ops)}, unsafe={self.unsafe}, "
+                f"tables={self.table_refs}, opaque={self.opaque!r})")
+
+
+def analyze(sql: str, dialect: str) -> Analysis:
+    """Parse exactly one statement and classify it; raises GovernanceError (400 multiple_statements,
+    400 invalid_sql, 403 unsafe_function for file-reaching forms sqlglot cannot parse)."""
+    return _analyze_cached(sql, canonical_dialect(dialect))
+
+
+@functools.lru_cache(maxsize=2048)
+def _analyze_cached(sql: str, dialect: str) -> Analysis:
+    if not isinstance(sql, str):
+        raise GovernanceError(400, "invalid_sql", "the statement must be text")
+    if dialect == "mysql" and _MYSQL_EXEC_COMMENT.search(sql):
+        raise GovernanceError(400, "invalid_sql",
+                              "MySQL executable comments (/*! ... */) are refused: the server runs their "
+                              "text but it cannot be analysed; write the SQL without them")
+    tree = _parse_one(sql, dialect)
+    return _classify(sql, dialect, tree)
+
+
+def _parse_one(sql: str, dialect: str) -> exp.Expression:
+    try:
+        statements = [s for s in sqlglot.parse(sql, read=dialect) if s is not None]
+    except (SqlglotError, RecursionError, ValueError) as e:
+        pattern = {"mysql": _MYSQL_UNPARSED_UNSAFE, "clickhouse": _CH_UNPARSED_UNSAFE}.get(dialect)
+        if pattern is not None and pattern.search(sql):
+            raise GovernanceError(403, "unsafe_function",
+                                  "the statement reads or writes server files (INTO OUTFILE/DUMPFILE, LOAD DATA "
+                                  "or LOAD_FILE) and is refused") from None
+        first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise GovernanceError(400, "invalid_sql",
+                              f"the SQL could not be parsed as {dialect} ({first}); fix the statement") from None
+    if not statements:
+        raise GovernanceError(400, "invalid_sql", "the SQL is empty: write exactly one statement")
+    if len(statements) > 1:
+        raise GovernanceError(400, "multiple_statements",
+                              f"the SQL holds {len(statements)} statements; a query must be exactly one statement")
+    return statements[0]
+
+
+def _classify(sql: str, dialect: str, tree: exp.Expression, depth: int = 0) -> Analysis:
+    if isinstance(tree, exp.Command):
+        return _classify_command(sql, dialect, tree, depth)
+    if isinstance(tree, exp.Describe):
+        inner = tree.this
+        if isinstance(inner, exp.Expression) and not isinstance(inner, exp.Table):
+            sub = _classify(sql, dialect, inner, depth + 1)
+            return Analysis(sql, dialect, sub.tree, sub.is_write, sub.write_ops, sub.unsafe, sub.table_refs,
+                            sub.opaque, True, False)
+        walker = _Walker(dialect)
+        walker.walk(tree, frozenset())
+        return walker.result(sql, tree, is_write=False, explain=True, has_output=False)
+    if isinstance(tree, exp.Show):
+        return Analysis(sql, dialect, tree, False, frozenset(), (), (), "SHOW statements", False, True)
+    if not isinstance(tree, _READ_ROOTS + _WRITE_CLASS_TUPLE):
+        raise GovernanceError(400, "invalid_sql",
+                              f"qag cannot analyse a {type(tree).__name__} statement for {dialect}; "
+                              "only statements it understands are run")
+    walker = _Walker(dialect)
+    try:
+        walker.walk(tree, frozenset())
+    except RecursionError:
+        raise GovernanceError(400, "invalid_sql", "the statement is nested too deeply to analyse") from None
+    has_output = isinstance(tree, _READ_ROOTS) or bool(tree.args.get("returning"))
+    return walker.result(sql, tree, is_write=bool(walker.ops), explain=False, has_output=has_output)
+
+
+def _classify_command(sql: str, dialect: str, tree: exp.Command, depth: int) -> Analysis:
+    keyword = str(tree.this or "").strip().lower()
+    rest = tree.expression.name if isinstance(tree.expression, exp.Literal) else str(tree.expression or "")
+    first = keyword.split()[0] if keyword else "command"
+    if first in ("explain", "describe", "desc") and depth < 3:
+        body = rest
+        while True:
+            m = _EXPLAIN_OPTIONS.match(body)
+            if not m or not m.group(0):
+                break
+            body = body[m.end():]
+        if not body.strip():
+            raise GovernanceError(400, "invalid_sql", "EXPLAIN without a statement")
+        sub = _classify(sql, dialect, _parse_one(body, dialect), depth + 1)
+        return Analysis(sql, dialect, sub.tree, sub.is_write, sub.write_ops, sub.unsafe, sub.table_refs,
+                        sub.opaque, True, False)
+    if first == "show":
+        return Analysis(sql, dialect, tree, False, frozenset(), (), (), "SHOW statements", False, True)
+    if first == "replace" and dialect == "mysql":
+        # MySQL REPLACE is INSERT that first deletes a clashing row: analyse it as that INSERT.
+        try:
+            ins = sqlglot.parse_one("INSERT " + rest, read=dialect)
+        except SqlglotError:
+            ins = None
+        if isinstance(ins, exp.Insert):
+            sub = _classify(sql, dialect, ins, depth + 1)
+            ops = (sub.write_ops - {"insert"}) | {"replace"}
+            return Analysis(sql, dialect, ins, True, frozenset(ops), sub.unsafe, sub.table_refs, sub.opaque,
+                            False, sub.has_output)
+    unsafe = ()
+    if first in _UNSAFE_COMMANDS or (first == "vacuum" and re.search(r"\binto\b", rest, re.I)) or \
+            (first in ("copy", "select") and re.search(r"\b(?:program|outfile|dumpfile|infile)\b", rest, re.I)):
+        unsafe = (keyword.upper(),)
+    return Analysis(sql, dialect, tree, True, frozenset({first}), unsafe, (),
+                    f"{keyword.upper()} statements", False, True)
+
+
+class _Walker:
+    """One pass over the tree collecting table references (CTE-aware), write ops and unsafe parts."""
+
+    __slots__ = ("dialect", "refs", "ops", "unsafe", "opaque")
+
+    def __init__(self, dialect: str):
+        self.dialect = dialect
+        self.refs: list[tuple[str | None, str]] = []
+        self.ops: set[str] = set()
+        self.unsafe: list[str] = []
+        self.opaque: str | None = None
+
+    def result(self, sql, tree, *, is_write, explain, has_output) -> Analysis:
+        refs = tuple(dict.fromkeys(self.refs))
+        unsafe = tuple(dict.fromkeys(self.unsafe))
+        return Analysis(sql, self.dialect, tree, is_write, frozenset(self.ops), unsafe, refs, self.opaque,
+                        explain, has_output)
+
+    def walk(self, node, visible: frozenset) -> None:
+        if not isinstance(node, exp.Expression):
+            return
+        args = node.args
+        with_ = args.get("with_") if "with_" in args else args.get("with")
+        if isinstance(with_, exp.With):
+            ctes = with_.expressions
+            names = [normalize_identifier(cte.args["alias"].this, self.dialect)
+                     if isinstance(cte.args.get("alias"), exp.TableAlias) and cte.args["alias"].this is not None
+                     else None for cte in ctes]
+            names = [n for n in names if n is not None]
+            recursive = bool(with_.args.get("recursive"))
+            for i, cte in enumerate(ctes):
+                # A non-recursive CTE does not see itself or later siblings: a same-named real table is read.
+                vis = visible | frozenset(names if recursive else names[:i])
+                self.walk(cte.this, vis)
+            visible = visible | frozenset(names)
+
+        self._visit(node, visible)
+
+        for key, value in args.items():
+            if key in ("with_", "with") and isinstance(value, exp.With):
+                continue
+            if isinstance(node, exp.Table) and key in ("this", "db", "catalog") and isinstance(value, exp.Identifier):
+                continue
+            if isinstance(value, list):
+                for v in value:
+                    self.walk(v, visible)
+            else:
+                self.walk(value, visible)
+
+    def _visit(self, node: exp.Expression, visible: frozenset) -> None:
+        d = self.dialect
+        if isinstance(node, exp.Table):
+            this = node.this
+            if isinstance(this, exp.Identifier):
+                db = node.args.get("db")
+                name = normalize_identifier(this, d)
+                if db is None:
+                    if name in visible:
+                        return  # a CTE, not a table
+                    if d == "mysql" and name == "dual":
+                        return
+                    self.refs.append((None, name))
+                else:
+                    self.refs.append((normalize_identifier(db, d) if isinstance(db, exp.Identifier)
+                                      else str(db).lower(), name))
+            elif isinstance(this, exp.Func) and d == "clickhouse":
+                fname = func_name(this)
+                if fname not in _CLICKHOUSE_SAFE_TABLE_FUNCS:
+                    self.unsafe.append(fname)
+            return
+        if isinstance(node, exp.Func):
+            fname = func_name(node)
+            if fname in _UNSAFE_FUNCS[d] or fname.startswith(_UNSAFE_PREFIXES[d]):
+                self.unsafe.append(fname)
+            op = _WRITE_FUNCS[d].get(fname)
+            if op:
+                self.ops.add(op)
+            if d == "clickhouse" and (fname.startswith("dict") or fname.startswith("joinget")) and \
+                    fname not in ("dictionary",):
+                self._dict_ref(node, fname)
+            return
+        if isinstance(node, _WRITE_CLASS_TUPLE):
+            for cls, op in _WRITE_CLASSES:
+                if isinstance(node, cls):
+                    self._write(node, op)
+                    break
+            return
+        if isinstance(node, exp.Into):
+            target = node.this
+            if isinstance(target, exp.Table) and isinstance(target.this, exp.Identifier):
+                self.ops.add("create")   # SELECT ... INTO new_table creates and fills a table
+            else:
+                self.ops.add("set")      # SELECT ... INTO @var / variables
+            return
+        if isinstance(node, exp.Lock):
+            # FOR UPDATE / FOR SHARE take row locks: PostgreSQL refuses them in read-only transactions.
+            self.ops.add("lock")
+            return
+        if isinstance(node, exp.PropertyEQ) and isinstance(node.this, (exp.Parameter, exp.SessionParameter)):
+            self.ops.add("set")          # SELECT @v := ... writes a session variable kept on a pooled session
+            return
+        if isinstance(node, exp.Command):
+            kw = str(node.this or "").strip().lower().split()
+            self.ops.add(kw[0] if kw else "command")
+            self.opaque = self.opaque or "a statement qag cannot parse fully"
+            return
+
+    def _write(self, node: exp.Expression, op: str) -> None:
+        if isinstance(node, exp.Insert):
+            alt = str(node.args.get("alternative") or "").upper()
+            if "REPLACE" in alt:
+                op = "replace"
+            conflict = node.args.get("conflict")
+            if conflict is not None and (conflict.args.get("duplicate") or conflict.args.get("expressions")):
+                self.ops.add("update")   # upsert: ON CONFLICT DO UPDATE / ON DUPLICATE KEY UPDATE
+            if node.args.get("is_function"):
+                self.opaque = self.opaque or "INSERT INTO FUNCTION"
+        elif isinstance(node, exp.Copy):
+            for f in node.args.get("files") or []:
+                text = f.name.upper() if isinstance(f, (exp.Identifier, exp.Literal, exp.Var)) else f.sql().upper()
+                if text not in ("STDIN", "STDOUT"):
+                    self.unsafe.append("COPY " + ("PROGRAM" if text == "PROGRAM" else "file"))
+        elif op in ("attach", "detach", "load"):
+            self.unsafe.append(op.upper())   # SQLite ATTACH opens any file; LOAD DATA reads server files
+        # (USE is a write: it changes the pooled session's database, so later bare names resolve elsewhere.)
+        self.ops.add(op)
+
+    def _dict_ref(self, node: exp.Func, fname: str) -> None:
+        args = node.expressions if isinstance(node, exp.Anonymous) else [node.this]
+        first = args[0] if args else None
+        if isinstance(first, exp.Literal) and first.is_string:
+            parts = first.name.split(".")
+            if len(parts) == 2:
+                self.refs.append((parts[0], parts[1]))
+            elif len(parts) == 1 and parts[0]:
+                self.refs.append((None, parts[0]))
+            else:
+                self.opaque = self.opaque or f"{fname} with an unusual dictionary name"
+        else:
+            self.opaque = self.opaque or f"{fname} with a computed dictionary name"

@@ -1,0 +1,595 @@
+"""Column lineage: trace each output column, by position, to the source schema.table.column values it derives from.
+
+Over-approximates on purpose (a column may list sources it does not really use) so masking errs on hiding;
+where the shape or sources cannot be known (SELECT * over a table of unknown columns), it says so and the
+caller refuses with mask_unresolvable when a rule might apply.
+"""
+
+from __future__ import annotations
+
+from sqlglot import exp
+
+from .analysis import func_name, normalize_identifier
+
+# A lineage is a frozenset of items:
+#   ("c", schema, table, column)  the value of that column (names lowercased for matching)
+#   ("t", schema, table)          some column(s) of that table whose names are not known
+#   ("?", why)                    anything at all
+EMPTY: frozenset = frozenset()
+_QUERY = (exp.Select, exp.SetOperation, exp.Subquery, exp.Values)
+_DML = (exp.Insert, exp.Update, exp.Delete, exp.Merge)
+_MAX_ROUNDS = 8
+
+
+class Unknown:
+    """An output whose number of columns cannot be known; lineage is everything that might flow into it."""
+
+    __slots__ = ("lineage", "why")
+
+    def __init__(self, lineage, why):
+        self.lineage = frozenset(lineage)
+        self.why = why
+
+
+class _Source:
+    __slots__ = ("alias", "cols", "table", "any_lineage", "pending")
+
+    def __init__(self, alias, cols, table=None, any_lineage=EMPTY, pending=False):
+        self.alias = alias            # name the query uses for it (lowercased)
+        self.cols = cols              # list[(name, lineage)] or None if unknown
+        self.table = table            # (schema, table) for a real table
+        self.any_lineage = any_lineage
+        self.pending = pending        # a recursive CTE whose columns are still being computed
+
+    def col(self, name):
+        if self.cols is not None:
+            found = [lin for n, lin in self.cols if n.lower() == name]
+            return (frozenset().union(*found) if found else None), bool(found)
+        if self.table is not None:
+            return frozenset({("c", self.table[0].lower(), self.table[1].lower(), name)}), False
+        return self.any_lineage, False
+
+    def all(self):
+        if self.cols is not None:
+            return frozenset().union(*(lin for _, lin in self.cols)) if self.cols else EMPTY
+        if self.table is not None:
+            return frozenset({("t", self.table[0].lower(), self.table[1].lower())})
+        if self.pending:
+            return EMPTY
+        return self.any_lineage | {("?", "a source of unknown columns")}
+
+
+class _Scope:
+    __slots__ = ("sources", "merged", "aliases", "parent", "ctes")
+
+    def __init__(self, parent, ctes=None):
+        self.sources: list[_Source] = []
+        self.merged = []              # list[(name, lineage)] for SELECT *, or an Unknown
+        self.aliases: dict = {}
+        self.parent = parent
+        # CTEs visible here: a subquery inside an expression sees them too.
+        self.ctes = ctes if ctes is not None else (parent.ctes if parent is not None else {})
+
+
+def _union(items):
+    out = set()
+    for i in items:
+        out |= i
+    return frozenset(out)
+
+
+class Lineage:
+    """Computes the output columns of one statement. columns_of(schema, table) -> list[str] | None."""
+
+    def __init__(self, dialect, default_schema, columns_of, resolve_ref):
+        self.d = dialect
+        self.default_schema = default_schema
+        self._columns_of = columns_of
+        self._cols_cache: dict = {}
+        self.resolve_ref = resolve_ref       # (db | None, name) -> (schema, table)
+
+    # ---- entry point -------------------------------------------------------------------------------------
+    def outputs(self, tree):
+        """list[(name, lineage)] per output position, or Unknown."""
+        return self.query(tree, {}, None)
+
+    def columns_of(self, table):
+        if table not in self._cols_cache:
+            cols = self._columns_of(table[0], table[1]) if self._columns_of else None
+            self._cols_cache[table] = list(cols) if cols is not None else None
+        return self._cols_cache[table]
+
+    def norm(self, ident):
+        return normalize_identifier(ident, self.d)
+
+    # ---- queries -----------------------------------------------------------------------------------------
+    def query(self, q, ctes, outer):
+        if isinstance(q, exp.Subquery):
+            ctes = self.bind_ctes(q, ctes, outer)
+            return self.query(q.this, ctes, outer)
+        if isinstance(q, exp.Select):
+            return self.select(q, ctes, outer)[0]
+        if isinstance(q, exp.SetOperation):
+            ctes = self.bind_ctes(q, ctes, outer)
+            left = self.query(q.left, ctes, outer)
+            right = self.query(q.right, ctes, outer)
+            if isinstance(left, Unknown) or isinstance(right, Unknown) or len(left) != len(right):
+                return Unknown(self.flat(left) | self.flat(right), "set operation of unknown shape")
+            return [(ln, ll | rl) for (ln, ll), (_, rl) in zip(left, right)]
+        if isinstance(q, exp.Values):
+            return self.values(q, outer)
+        if isinstance(q, _DML):
+            return self.dml(q, ctes, outer)
+        return Unknown({("?", type(q).__name__)}, f"{type(q).__name__} output")
+
+    @staticmethod
+    def flat(cols):
+        if isinstance(cols, Unknown):
+            return cols.lineage
+        return _union(lin for _, lin in cols)
+
+    def values(self, q, outer):
+        scope = outer if outer is not None else _Scope(None, {})
+        rows = [t.expressions if isinstance(t, exp.Tuple) else [t] for t in q.expressions]
+        if not rows:
+            return []
+        width = len(rows[0])
+        if any(len(r) != width for r in rows):
+            return Unknown(_union(self.expr(e, scope) for r in rows for e in r), "VALUES rows of unequal width")
+        out = []
+        for i in range(width):
+            out.append((f"column{i + 1}", _union(self.expr(r[i], scope) for r in rows)))
+        return out
+
+    def bind_ctes(self, q, ctes, outer):
+        with_ = q.args.get("with_") if "with_" in q.args else q.args.get("with")
+        if not isinstance(with_, exp.With):
+            return ctes
+        ctes = dict(ctes)
+        recursive = bool(with_.args.get("recursive"))
+        for cte in with_.expressions:
+            alias = cte.args.get("alias")
+            if not isinstance(alias, exp.TableAlias) or alias.this is None:
+                continue
+            name = self.norm(alias.this)
+            if cte.args.get("scalar"):
+                continue   # ClickHouse WITH <expr> AS name: an alias, handled with the select's aliases
+            colnames = [self.norm(c) for c in alias.columns] if alias.columns else None
+            if recursive:
+                ctes[name] = ("pending", None)
+                prev = None
+                for _ in range(_MAX_ROUNDS):
+                    cols = self._rename(self.query(cte.this, ctes, outer), colnames)
+                    if prev is not None and not isinstance(prev, Unknown) and not isinstance(cols, Unknown) \
+                            and len(prev) == len(cols):
+                        cols = [(n, lin | plin) for (n, lin), (_, plin) in zip(cols, prev)]
+                    ctes[name] = ("cols", cols)
+                    if _same(prev, cols):
+                        break
+                    prev = cols
+                else:
+                    ctes[name] = ("cols", Unknown({("?", "recursive CTE")}, "recursive CTE did not settle"))
+            else:
+                # A non-recursive CTE cannot see itself: bind after computing its body.
+                ctes[name] = ("cols", self._rename(self.query(cte.this, ctes, outer), colnames))
+        return ctes
+
+    @staticmethod
+    def _rename(cols, names):
+        if not names or isinstance(cols, Unknown):
+            return cols
+        out = list(cols)
+        for i, n in enumerate(names[:len(out)]):
+            out[i] = (n, out[i][1])
+        return out
+
+    # ---- SELECT ------------------------------------------------------------------------------------------
+    def select(self, q, ctes, outer):
+        ctes = self.bind_ctes(q, ctes, outer)
+        scope = _Scope(outer, ctes)
+        from_ = q.args.get("from_") if "from_" in q.args else q.args.get("from")
+        if from_ is not None:
+            self.add_source(from_.this, scope, ctes, None)
+        for join in q.args.get("joins") or []:
+            self.add_source(join.this, scope, ctes, join)
+        for lat in q.args.get("laterals") or []:
+            self.add_source(lat, scope, ctes, None)
+        self.collect_aliases(q, scope)
+        outs = []
+        unknown = None
+        for e in q.expressions:
+            got = self.projection(e, scope)
+            if isinstance(got, Unknown):
+                unknown = got if unknown is None else Unknown(unknown.lineage | got.lineage, unknown.why)
+                continue
+            outs.extend(got)
+        if unknown is not None:
+            return Unknown(unknown.lineage | self.flat(outs), unknown.why), scope
+        return outs, scope
+
+    def collect_aliases(self, q, scope):
+        """Aliases named anywhere in this SELECT (ClickHouse lets any clause use them, even before they are
+        defined) plus ClickHouse scalar CTEs. Resolved to a fixed point so alias chains are followed."""
+        exprs: dict = {}
+        for node in _walk_local(q):
+            if isinstance(node, exp.Alias) and node.args.get("alias") is not None:
+                exprs.setdefault(node.alias.lower(), []).append(node.this)
+        with_ = q.args.get("with_") if "with_" in q.args else q.args.get("with")
+        if isinstance(with_, exp.With):
+            for cte in with_.expressions:
+                if cte.args.get("scalar") and isinstance(cte.args.get("alias"), exp.TableAlias):
+                    exprs.setdefault(cte.alias.lower(), []).append(cte.this)
+        for join in q.args.get("joins") or []:
+            if str(join.args.get("kind") or "").upper() == "ARRAY":
+                for e in ([join.this] + list(join.args.get("expressions") or [])):
+                    if isinstance(e, exp.Alias):
+                        exprs.setdefault(e.alias.lower(), []).append(e.this)
+        if not exprs:
+            return
+        lin = {name: EMPTY for name in exprs}
+        for _ in range(_MAX_ROUNDS):
+            scope.aliases = lin
+            new = {name: _union(self.expr(e, scope) for e in es) for name, es in exprs.items()}
+            if new == lin:
+                break
+            lin = new
+        else:
+            lin = {name: frozenset({("?", "alias cycle")}) for name in exprs}
+        scope.aliases = lin
+
+    def projection(self, e, scope):
+        if isinstance(e, exp.Star):
+            return self.star(e, scope, scope.merged)
+        if isinstance(e, exp.Column) and isinstance(e.this, exp.Star):
+            src = self.find_source(e, scope)
+            if src is None:
+                return Unknown({("?", "t.* of an unknown source")}, "t.* of an unknown source")
+            if src.cols is None:
+                return Unknown(src.all(), f"{src.alias}.* over a table whose columns are unknown")
+            return self.star(e.this, scope, list(src.cols))
+        if isinstance(e, exp.Columns):
+            return Unknown(self.scope_all(scope), "COLUMNS(...) matcher")
+        name = e.alias_or_name
+        return [(name, self.expr(e, scope))]
+
+    def star(self, star, scope, cols):
+        if isinstance(cols, Unknown):
+            return cols
+        cols = list(cols)
+        excl = star.args.get("except_") if "except_" in star.args else star.args.get("except")
+        if excl:
+            drop = {c.name.lower() for c in excl}
+            cols = [(n, lin) for n, lin in cols if n.lower() not in drop]
+        repl = star.args.get("replace")
+        if repl:
+            by = {r.alias.lower(): self.expr(r.this, scope) for r in repl if isinstance(r, exp.Alias)}
+            # ClickHouse REPLACE keeps the column's position and takes the new expression's lineage.
+            cols = [(n, by[n.lower()]) if n.lower() in by else (n, lin) for n, lin in cols]
+        return cols
+
+    def scope_all(self, scope):
+        return _union(s.all() for s in scope.sources) or frozenset({("?", "no sources")})
+
+    # ---- FROM items --------------------------------------------------------------------------------------
+    def add_source(self, node, scope, ctes, join):
+        src = self.make_source(node, scope, ctes)
+        if src is None:
+            return
+        if join is not None and str(join.args.get("kind") or "").upper() == "ARRAY":
+            return   # ClickHouse ARRAY JOIN: its aliases were collected; * keeps the table's columns
+        scope.sources.append(src)
+        using = [self.norm(u).lower() if isinstance(u, exp.Identifier) else str(u.name).lower()
+                 for u in (join.args.get("using") or [])] if join is not None else []
+        natural = join is not None and str(join.args.get("method") or "").upper() == "NATURAL"
+        right = list(src.cols) if src.cols is not None else Unknown(src.all(), f"columns of {src.alias} unknown")
+        left = scope.merged
+        if len(scope.sources) == 1:
+            scope.merged = right
+            return
+        if isinstance(left, Unknown) or isinstance(right, Unknown):
+            scope.merged = Unknown(self.flat(left) | self.flat(right), "a joined source of unknown columns")
+            return
+        if natural:
+            rnames = {n.lower() for n, _ in right}
+            using = [n.lower() for n, _ in left if n.lower() in rnames]
+        if not using:
+            scope.merged = left + right
+            return
+        scope.merged = _merge_using(left, right, using, self.d, natural)
+
+    def make_source(self, node, scope, ctes):
+        d = self.d
+        if isinstance(node, exp.Final):
+            node = node.this
+        alias_node = node.args.get("alias") if isinstance(node, exp.Expression) else None
+        alias = self.norm(alias_node.this) if isinstance(alias_node, exp.TableAlias) and alias_node.this else None
+        colnames = [self.norm(c) for c in alias_node.columns] if isinstance(alias_node, exp.TableAlias) \
+            and alias_node.columns else None
+        if isinstance(node, exp.Table):
+            this = node.this
+            if isinstance(this, exp.Identifier):
+                name = self.norm(this)
+                db = node.args.get("db")
+                if db is None and name in ctes:
+                    kind, cols = ctes[name]
+                    if kind == "pending":
+                        return _Source((alias or name).lower(), None, pending=True)
+                    if isinstance(cols, Unknown):
+                        return _Source((alias or name).lower(), None, any_lineage=cols.lineage)
+                    return _Source((alias or name).lower(), self._rename(cols, colnames))
+                if db is None and d == "mysql" and name == "dual":
+                    return None
+                table = self.resolve_ref((self.norm(db) if isinstance(db, exp.Identifier) else None, name))
+                known = self.columns_of(table)
+                cols = None
+                if known is not None:
+                    cols = [(c, frozenset({("c", table[0].lower(), table[1].lower(), c.lower())})) for c in known]
+                    cols = self._rename(cols, colnames)
+                src = _Source((alias or name).lower(), cols, table)
+                for j in node.args.get("joins") or []:       # MySQL UPDATE t JOIN s ...
+                    self.add_source(j.this, scope, ctes, j)
+                return src
+            if node.args.get("rows_from"):
+                args_lin = _union(self.expr(t, scope) for t in node.args["rows_from"])
+                return self._func_source(alias, colnames, args_lin, None)
+            if isinstance(this, exp.Func):
+                return self._func_source(alias or func_name(this), colnames, self.expr(this, scope), this)
+            return _Source((alias or "?"), None, any_lineage=frozenset({("?", "unknown FROM item")}))
+        if isinstance(node, exp.Subquery):
+            cols = self.query(node, ctes, scope)
+            return self._derived(alias, colnames, cols)
+        if isinstance(node, exp.Lateral):
+            inner = node.this
+            if isinstance(inner, exp.Subquery):
+                cols = self.query(inner, ctes, scope)
+                return self._derived(alias, colnames, cols)
+            return self._func_source(alias, colnames, self.expr(inner, scope), inner)
+        if isinstance(node, exp.Unnest):
+            lin = _union(self.expr(e, scope) for e in node.expressions)
+            width = len(node.expressions) + (1 if node.args.get("offset") else 0)
+            names = colnames or ([alias] if alias and width == 1 else None)
+            if names and len(names) == width:
+                return _Source((alias or "unnest").lower(), [(n, lin) for n in names])
+            return _Source((alias or "unnest").lower(), [(f"unnest{i}", lin) for i in range(width)])
+        if isinstance(node, exp.Values):
+            cols = self.values(node, scope)
+            return self._derived(alias, colnames, cols)
+        if isinstance(node, _QUERY):
+            return self._derived(alias, colnames, self.query(node, ctes, scope))
+        return _Source((alias or "?"), None, any_lineage=frozenset({("?", f"FROM {type(node).__name__}")}))
+
+    def _derived(self, alias, colnames, cols):
+        if isinstance(cols, Unknown):
+            return _Source((alias or "?").lower(), None, any_lineage=cols.lineage | {("?", cols.why)})
+        return _Source((alias or "?").lower(), self._rename(cols, colnames))
+
+    def _func_source(self, alias, colnames, args_lin, func):
+        alias = (alias or "?").lower()
+        if colnames:
+            return _Source(alias, [(n, args_lin) for n in colnames], any_lineage=args_lin)
+        fname = func_name(func) if isinstance(func, exp.Func) else ""
+        single = {"generate_series": None, "explodinggenerateseries": None, "generateseries": None,
+                  "unnest": None, "generate_subscripts": None, "numbers": "number", "numbers_mt": "number",
+                  "zeros": "zero", "zeros_mt": "zero", "string_to_table": None, "regexp_split_to_table": None,
+                  "json_array_elements": None, "jsonb_array_elements": None, "json_array_elements_text": None,
+                  "jsonb_array_elements_text": None}
+        if fname in single:
+            return _Source(alias, [(single[fname] or alias, args_lin)], any_lineage=args_lin)
+        # A set-returning function of unknown shape: its columns derive from its arguments.
+        return _Source(alias, None, any_lineage=args_lin)
+
+    # ---- DML with RETURNING --------------------------------------------------------------------------------
+    def dml(self, q, ctes, outer):
+        ctes = self.bind_ctes(q, ctes, outer)
+        returning = q.args.get("returning")
+        if returning is None:
+            return []
+        scope = _Scope(outer, ctes)
+        target = q.this
+        if isinstance(target, exp.Schema):
+            target = target.this
+        self.add_source(target, scope, ctes, None)
+        extra = set()
+        from_ = q.args.get("from_") if "from_" in q.args else q.args.get("from")
+        if from_ is not None:
+            self.add_source(from_.this, scope, ctes, None)
+        using = q.args.get("using")
+        for u in (using if isinstance(using, list) else [using] if isinstance(using, exp.Expression) else []):
+            self.add_source(u, scope, ctes, None)
+        # Values written by the statement flow into the returned row: count them as sources of every column.
+        src_q = q.args.get("expression") if isinstance(q, exp.Insert) else None
+        if src_q is not None:
+            extra |= self.flat(self.query(src_q, ctes, scope))
+        assignments = list(q.expressions) if isinstance(q, exp.Update) else []
+        conflict = q.args.get("conflict")
+        if conflict is not None:
+            assignments += list(conflict.args.get("expressions") or [])
+        for a in assignments:
+            if isinstance(a, exp.EQ):
+                extra |= self.expr(a.expression, scope)
+        if isinstance(q, exp.Merge):
+            for src in scope.sources[1:]:
+                extra |= src.all()
+        outs = []
+        for e in returning.expressions:
+            got = self.projection(e, _with_merged_target(scope))
+            if isinstance(got, Unknown):
+                return Unknown(got.lineage | extra, got.why)
+            outs.extend(got)
+        return [(n, lin | frozenset(extra)) for n, lin in outs]
+
+    # ---- expressions ---------------------------------------------------------------------------------------
+    def find_source(self, col, scope):
+        qual = col.args.get("table")
+        if qual is None:
+            return None
+        qname = self.norm(qual).lower()
+        db = col.args.get("db")
+        dbname = self.norm(db).lower() if isinstance(db, exp.Identifier) else None
+        s = scope
+        while s is not None:
+            for src in s.sources:
+                if dbname is not None:
+                    if src.table is not None and src.table[0].lower() == dbname and src.table[1].lower() == qname:
+                        return src
+                elif src.alias == qname:
+                    return src
+            s = s.parent
+        return None
+
+    def expr(self, e, scope):
+        """Everything an expression's value may derive from, including subqueries inside it."""
+        out = set()
+        stack = [e]
+        while stack:
+            node = stack.pop()
+            if not isinstance(node, exp.Expression):
+                continue
+            if isinstance(node, exp.Column):
+                out |= self.column(node, scope)
+                continue
+            if isinstance(node, exp.Star):
+                if not isinstance(node.parent, exp.Count):
+                    out |= self.flat(scope.merged) if scope.sources else EMPTY
+                continue
+            if isinstance(node, exp.Exists):
+                inner = node.this
+                out |= self.refs(inner.this if isinstance(inner, exp.Subquery) else inner, scope)
+                continue
+            if isinstance(node, _QUERY) or isinstance(node, _DML):
+                out |= self.flat(self.query(node, scope.ctes, scope)) | self.refs(node, scope)
+                continue
+            for v in node.args.values():
+                if isinstance(v, list):
+                    stack.extend(v)
+                elif isinstance(v, exp.Expression):
+                    stack.append(v)
+        return frozenset(out)
+
+    def refs(self, q, scope):
+        """Column references in a query's clauses other than its output (used for EXISTS and as a
+        conservative extra for subqueries inside an output expression)."""
+        if isinstance(q, exp.Subquery):
+            return self.refs(q.this, scope)
+        if isinstance(q, exp.SetOperation):
+            return self.refs(q.left, scope) | self.refs(q.right, scope)
+        if not isinstance(q, exp.Select):
+            return EMPTY
+        _, inner = self.select(q, scope.ctes, scope)
+        out = set()
+        for key in ("where", "having", "qualify", "prewhere"):
+            v = q.args.get(key)
+            if v is not None:
+                out |= self.expr(v, inner)
+        for join in q.args.get("joins") or []:
+            if join.args.get("on") is not None:
+                out |= self.expr(join.args["on"], inner)
+        return frozenset(out)
+
+    def column(self, col, scope):
+        if isinstance(col.this, exp.Star):
+            # t.* inside an expression (row_to_json(c.*)): every column of that source.
+            src = self.find_source(col, scope)
+            return src.all() if src is not None else frozenset({("?", "t.* of an unknown source")})
+        name = col.name.lower()
+        qual = col.args.get("table")
+        if qual is not None:
+            src = self.find_source(col, scope)
+            if src is not None:
+                lin, _ = src.col(name)
+                return lin if lin is not None else EMPTY
+            # Not a FROM item: a struct/nested field or a name we cannot place; take every candidate.
+            qname = self.norm(qual).lower()
+            out = set(self.unqualified(qname, scope)) | set(self.unqualified(f"{qname}.{name}", scope))
+            db = col.args.get("db")
+            schema = self.norm(db).lower() if isinstance(db, exp.Identifier) else self.default_schema.lower()
+            out.add(("c", schema, qname, name))
+            return frozenset(out)
+        return self.unqualified(name, scope)
+
+    def unqualified(self, name, scope):
+        out = set()
+        s = scope
+        while s is not None:
+            definite = False
+            for src in s.sources:
+                lin, found = src.col(name)
+                if lin:
+                    out |= lin
+                definite = definite or found
+                if src.alias == name and not found:
+                    out |= src.all()          # PostgreSQL whole-row reference: SELECT c FROM customer c
+            if name in s.aliases:
+                out |= s.aliases[name]
+            if definite:
+                break
+            s = s.parent
+        return frozenset(out)
+
+
+def _merge_using(left, right, using, dialect, natural):
+    """SELECT * over JOIN ... USING / NATURAL JOIN, per engine (checked against each engine):
+    SQLite keeps the left columns in place and drops the right's copies; MySQL/MariaDB put the common
+    columns first in the left table's order; PostgreSQL and ClickHouse put them first in USING order
+    (PostgreSQL's NATURAL: left order)."""
+    uset = set(using)
+    rlin = {}
+    for n, lin in right:
+        if n.lower() in uset:
+            rlin[n.lower()] = rlin.get(n.lower(), EMPTY) | lin
+    if dialect == "sqlite":
+        out = [(n, lin | rlin.get(n.lower(), EMPTY)) for n, lin in left]
+        return out + [(n, lin) for n, lin in right if n.lower() not in uset]
+    llin = {}
+    for n, lin in left:
+        if n.lower() in uset and n.lower() not in llin:
+            llin[n.lower()] = (n, lin)
+    order = [n.lower() for n, _ in left if n.lower() in uset] if (dialect == "mysql" or natural) else list(using)
+    seen = set()
+    first = []
+    for u in order:
+        if u in seen:
+            continue
+        seen.add(u)
+        name, lin = llin.get(u, (u, EMPTY))
+        first.append((name, lin | rlin.get(u, EMPTY)))
+    rest_left = [(n, lin) for n, lin in left if n.lower() not in uset]
+    rest_right = [(n, lin) for n, lin in right if n.lower() not in uset]
+    return first + rest_left + rest_right
+
+
+def _with_merged_target(scope):
+    # RETURNING * lists the target table's columns (the first source).
+    if scope.sources:
+        first = scope.sources[0]
+        view = _Scope(scope.parent)
+        view.sources = scope.sources
+        view.aliases = scope.aliases
+        view.ctes = scope.ctes
+        view.merged = list(first.cols) if first.cols is not None else Unknown(first.all(), "target columns unknown")
+        return view
+    return scope
+
+
+def _walk_local(q):
+    """Nodes of a statement without descending into nested queries."""
+    stack = list(v for v in q.args.values())
+    while stack:
+        v = stack.pop()
+        if isinstance(v, list):
+            stack.extend(v)
+            continue
+        if not isinstance(v, exp.Expression):
+            continue
+        if isinstance(v, _QUERY) or isinstance(v, exp.With):
+            continue
+        yield v
+        stack.extend(v.args.values())
+
+
+def _same(a, b):
+    if a is None or b is None:
+        return False
+    if isinstance(a, Unknown) or isinstance(b, Unknown):
+        return isinstance(a, Unknown) and isinstance(b, Unknown) and a.lineage == b.lineage
+    return a == b

@@ -1,0 +1,228 @@
+"""The plan-time decision for (key, query version, connection): may it run, and how is each output column masked."""
+
+from __future__ import annotations
+
+import re
+
+from .analysis import analyze, canonical_dialect
+from .errors import GovernanceError
+from .lineage import Lineage, Unknown
+from .tables import default_schema_for, forbidden_tables, parse_allowed, resolve, split_name, table_text
+from .transforms import ACTIONS, STRICTNESS
+
+_PLAN_VERSION = 1
+
+
+class GovernedPlan:
+    """Immutable outcome of plan_governance; to_dict()/from_dict() round-trip through msgpack."""
+
+    __slots__ = ("is_write", "write_ops", "tables", "transforms", "output_names", "unsafe")
+
+    def __init__(self, *, is_write, write_ops, tables, transforms, output_names=None, unsafe=()):
+        set_ = object.__setattr__
+        set_(self, "is_write", bool(is_write))
+        set_(self, "write_ops", frozenset(write_ops))
+        set_(self, "tables", frozenset(tables))
+        set_(self, "transforms", tuple(transforms) if transforms is not None else None)
+        # Best-effort names of the output columns (before drop), for catalogues and name checks.
+        set_(self, "output_names", tuple(output_names) if output_names is not None else None)
+        set_(self, "unsafe", tuple(unsafe))
+
+    def __setattr__(self, name, value):
+        raise AttributeError("GovernedPlan is immutable")
+
+    def __delattr__(self, name):
+        raise AttributeError("GovernedPlan is immutable")
+
+    def to_dict(self) -> dict:
+        return {
+            "v": _PLAN_VERSION,
+            "is_write": self.is_write,
+            "write_ops": sorted(self.write_ops),
+            "tables": sorted(self.tables),
+            "transforms": list(self.transforms) if self.transforms is not None else None,
+            "output_names": list(self.output_names) if self.output_names is not None else None,
+            "unsafe": list(self.unsafe),
+        }
+
+    @classmethod
+    def from_dict(cls, d) -> "GovernedPlan":
+        if d.get("v", _PLAN_VERSION) != _PLAN_VERSION:
+            raise ValueError(f"governed plan version {d.get('v')!r} is not {_PLAN_VERSION}")
+        return cls(is_write=d["is_write"], write_ops=d["write_ops"], tables=d["tables"],
+                   transforms=d.get("transforms"), output_names=d.get("output_names"),
+                   unsafe=d.get("unsafe") or ())
+
+    def masked_columns(self) -> list[dict]:
+        """What a catalogue shows: each masked output position, its column name and action."""
+        if self.transforms is None:
+            return []
+        names = self.output_names or (None,) * len(self.transforms)
+        return [{"position": i, "column": names[i] if i < len(names) else None, "action": t}
+                for i, t in enumerate(self.transforms) if t is not None]
+
+    def __reduce__(self):
+        return (_plan_from_dict, (self.to_dict(),))
+
+    def __eq__(self, other):
+        return isinstance(other, GovernedPlan) and self.to_dict() == other.to_dict()
+
+    def __hash__(self):
+        return hash((self.is_write, self.write_ops, self.tables, self.transforms))
+
+    def __repr__(self) -> str:
+        return (f"GovernedPlan(is_write={self.is_write}, write_ops={sorted(self.write_ops)}, "
+                f"tables={sorted(self.tables)}, transforms={self.transforms})")
+
+
+def _plan_from_dict(d):
+    return GovernedPlan.from_dict(d)
+
+
+class MaskRule:
+    """One rule: "[schema.]table.column" with "*" wildcards, matched case-insensitively.
+    A two-part rule (table.column) matches that table in ANY schema/database: masking errs on hiding."""
+
+    __slots__ = ("text", "action", "schema", "table", "column")
+
+    def __init__(self, text: str, action: str):
+        self.text = text
+        self.action = action
+        parts = split_name(text, "mysql")   # lowercases every part, honours quotes
+        if not parts or any(p == "" for p in parts):
+            raise GovernanceError(403, "mask_unresolvable", f"mask rule column {text!r} is not [schema.]table.column")
+        parts = ["*"] * (3 - len(parts)) + parts if len(parts) < 3 else parts[-3:]
+        self.schema, self.table, self.column = (_matcher(p) for p in parts)
+
+    def matches_table(self, schema: str, table: str) -> bool:
+        return self.schema(schema.lower()) and self.table(table.lower())
+
+    def matches_column(self, column: str) -> bool:
+        return self.column(column.lower())
+
+
+def _matcher(pattern: str):
+    if pattern == "*":
+        return lambda s: True
+    if "*" in pattern:
+        rx = re.compile("".join(".*" if ch == "*" else re.escape(ch) for ch in pattern), re.S)
+        return lambda s: rx.fullmatch(s) is not None
+    return lambda s: s == pattern
+
+
+def parse_rules(mask_rules) -> list[MaskRule]:
+    rules = []
+    for r in mask_rules or ():
+        if not isinstance(r, dict) or not isinstance(r.get("column"), str):
+            raise GovernanceError(403, "mask_unresolvable", f"mask rule {r!r} needs a 'column' text")
+        action = str(r.get("action", "")).lower()
+        if action not in ACTIONS:
+            raise GovernanceError(403, "mask_unresolvable",
+                                  f"mask rule for {r['column']!r} has action {r.get('action')!r}; "
+                                  "use hash, mask, null or drop")
+        rules.append(MaskRule(r["column"], action))
+    return rules
+
+
+def plan_governance(*, sql: str, dialect: str, default_schema: str, allowed_tables, mask_rules,
+                    server_allows_writes: bool, key_allows_writes: bool, allowed_write_ops,
+                    allow_unsafe: bool, columns_of) -> GovernedPlan:
+    """Decide once whether the statement may run for this key and how each output column is masked.
+    Checks in this order: unsafe functions, writes (server, key, op), tables, masking."""
+    d = canonical_dialect(dialect)
+    a = analyze(sql, d)
+    schema = default_schema_for(d, default_schema)
+
+    if a.unsafe and not allow_unsafe:
+        raise GovernanceError(403, "unsafe_function",
+                              f"the statement uses {', '.join(a.unsafe)}, which reach files or other servers; "
+                              "only a query saved by an administrator with unsafe functions allowed may",
+                              {"functions": list(a.unsafe)})
+
+    if a.is_write:
+        ops = ", ".join(sorted(a.write_ops))
+        if not server_allows_writes:
+            raise GovernanceError(403, "read_only",
+                                  f"the server forbids writes (QAG_ALLOW_WRITES is off) and this statement "
+                                  f"writes ({ops})")
+        if not key_allows_writes:
+            raise GovernanceError(403, "read_only",
+                                  f"this API key may not write (its allow_writes is off) and this statement "
+                                  f"writes ({ops})")
+        if allowed_write_ops is not None:
+            allowed = {str(o).lower() for o in allowed_write_ops}
+            bad = sorted(a.write_ops - allowed)
+            if bad:
+                raise GovernanceError(403, "write_op_not_allowed",
+                                      f"this API key may not {', '.join(bad)}; its allowed_write_ops are "
+                                      f"{', '.join(sorted(allowed)) or 'empty'}", {"operations": bad})
+
+    tables = resolve(a.table_refs, d, schema)
+    if allowed_tables is not None:
+        if a.opaque:
+            raise GovernanceError(403, "table_not_allowed",
+                                  f"qag cannot tell which tables {a.opaque} read, so a key limited by "
+                                  "allowed_tables may not run it", {"tables": []})
+        bad = forbidden_tables(tables, parse_allowed(allowed_tables, d, schema))
+        if bad:
+            names = [table_text(t) for t in bad]
+            raise GovernanceError(403, "table_not_allowed",
+                                  f"this API key may not read or write {', '.join(names)}", {"tables": names})
+
+    transforms, names = _masking(a, d, schema, tables, parse_rules(mask_rules), columns_of)
+    return GovernedPlan(is_write=a.is_write, write_ops=a.write_ops,
+                        tables=[table_text(t) for t in tables], transforms=transforms,
+                        output_names=names, unsafe=a.unsafe)
+
+
+def _masking(a, d, schema, tables, rules, columns_of):
+    if not rules or a.explain or not a.has_output:
+        return None, None
+    if a.opaque:
+        raise GovernanceError(403, "mask_unresolvable",
+                              f"this key has masking rules and qag cannot trace the columns of {a.opaque}")
+    lineage = Lineage(d, schema, columns_of, lambda ref: next(iter(resolve([ref], d, schema))))
+
+    def may_apply(rule):
+        for t in tables:
+            if rule.matches_table(*t):
+                cols = lineage.columns_of(t)
+                if cols is None or any(rule.matches_column(c) for c in cols):
+                    return True
+        return False
+
+    applicable = [r for r in rules if may_apply(r)]
+    if not applicable:
+        return None, None      # fast path: no rule can touch any column this statement reads
+
+    outs = lineage.outputs(a.tree)
+    if isinstance(outs, Unknown):
+        raise GovernanceError(403, "mask_unresolvable",
+                              f"masking rules apply to this statement but its output columns cannot be "
+                              f"traced ({outs.why}); list the columns explicitly")
+    transforms = []
+    for pos, (name, lin) in enumerate(outs):
+        best = None
+        for item in lin:
+            kind = item[0]
+            if kind == "c":
+                for r in applicable:
+                    if (best is None or STRICTNESS[r.action] > STRICTNESS[best]) and \
+                            r.matches_table(item[1], item[2]) and r.matches_column(item[3]):
+                        best = r.action
+            elif kind == "t":
+                if any(r.matches_table(item[1], item[2]) for r in applicable):
+                    raise GovernanceError(403, "mask_unresolvable",
+                                          f"output column {pos + 1} ({name}) derives from columns of "
+                                          f"{item[1]}.{item[2]} that cannot be named, and a masking rule "
+                                          "covers that table; list the columns explicitly",
+                                          {"column": name, "position": pos})
+            else:
+                raise GovernanceError(403, "mask_unresolvable",
+                                      f"output column {pos + 1} ({name}) cannot be traced to its source "
+                                      f"({item[1]}) while masking rules apply", {"column": name, "position": pos})
+        transforms.append(best)
+    names = [n for n, _ in outs]
+    if all(t is None for t in transforms):
+        return None, names
+    return transforms, names
