@@ -49,7 +49,7 @@ H_HIST_BUCKETS = 104
 H_RING_STRIDE = 108
 # [Header] region table: REGION_COUNT x (u64 offset, u64 size)
 H_REGIONS = 128
-REGION_NAMES = ("slot_meta", "generations", "series", "counters", "cache", "rings")
+REGION_NAMES = ("slot_meta", "generations", "series", "counters", "cache_tags", "cache", "rings")
 REGION_COUNT = len(REGION_NAMES)
 # [Header] histogram upper bounds: HIST_MAX x f64, unused entries zero, +Inf last used entry
 H_HIST_BOUNDS = 256
@@ -95,6 +95,7 @@ GEN_KINDS = ("key", "query", "connection")
 CACHE_SLOT_SIZE = 4096
 CACHE_WAYS = 8
 CACHE_SLOT_HEADER = 64
+CACHE_TAG_SET = 32  # [Cache tags] per set: CACHE_WAYS x u32 crc32(key) of each way, a hint for readers
 CS_SEQ = 0  # u64 seqlock, odd while being written
 CS_KEY_LEN = 8  # u32
 CS_VALUE_LEN = 12  # u32
@@ -177,10 +178,14 @@ def geometry(size: int | None = None, slots: int = 16, cache_slot_size: int = CA
         raise ValueError(f"segment size {size} too small for {slots} slots (ring capacity {ring_capacity})")
     ring_stride = _round_up(RING_HEADER_SIZE + ring_capacity, PAGE)
     rings_size = slots * ring_stride
-    cache_bytes = remaining - rings_size
-    cache_slot_count = cache_bytes // cache_slot_size // CACHE_WAYS * CACHE_WAYS
-    if cache_slot_count < CACHE_WAYS:
+    cache_bytes = remaining - rings_size - PAGE  # one page of slack for rounding the tag region up
+    cache_sets = cache_bytes // (CACHE_WAYS * cache_slot_size + CACHE_TAG_SET)
+    if cache_sets < 1:
         raise ValueError(f"segment size {size} too small for the cache")
+    cache_slot_count = cache_sets * CACHE_WAYS
+    tags_size = _round_up(cache_sets * CACHE_TAG_SET, PAGE)
+    regions.append((off, tags_size))
+    off += tags_size
     cache_size = _round_up(cache_slot_count * cache_slot_size, PAGE)
     regions.append((off, cache_size))
     off += cache_size

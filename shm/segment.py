@@ -7,15 +7,17 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import struct
 import time
 import zlib
 from bisect import bisect_left
-from typing import Any, Iterable
+from typing import Any
 
 import msgpack
 import posix_ipc
 
 from . import layout as L
+from .fence import MODE as FENCE_MODE
 from .fence import fence
 from .lock import LockTimeout, WriterLock, owner_alive, proc_start
 from .ring import Ring
@@ -23,6 +25,11 @@ from .ring import Ring
 CACHE_READ_RETRIES = 64  # LAYOUT.md [Cache] C4: a reader never waits for a writer; after this many tries it is a miss
 _crc32 = zlib.crc32
 _HIST_N = len(L.HIST_BOUNDS)
+_WAYS = L.CACHE_WAYS
+_SLOT_HDR = L.CACHE_SLOT_HEADER
+_KEY_LEN_I, _VALUE_LEN_I, _KEY_CRC_I = L.CS_KEY_LEN // 4, L.CS_VALUE_LEN // 4, L.CS_KEY_CRC // 4
+_TAGS = struct.Struct(f"<{L.CACHE_WAYS}I").unpack_from
+_fence = None if FENCE_MODE == "none" else fence  # hot paths skip even the call on x86-64 (TSO)
 
 
 class LayoutError(RuntimeError):
@@ -141,6 +148,7 @@ class Segment:
         self._sems: tuple[Any, ...] = ()
         self._lock: Any = None
         self._clock = time.time_ns
+        self._getpid = os.getpid
         self._rings: dict[int, Ring] = {}
         # generations [Generations]
         gen_off = g.region("generations")[0]
@@ -150,6 +158,9 @@ class Segment:
         self._cache_off = g.region("cache")[0]
         self._cache_sets = g.cache_slot_count // L.CACHE_WAYS
         self._cache_room = g.cache_slot_size - L.CACHE_SLOT_HEADER
+        self._cache_slot_size = g.cache_slot_size
+        self._tags_off = g.region("cache_tags")[0]
+        self._tags_i = self._tags_off // 4
         self._hits = self._misses = self._torn = 0
         # counters [Series], [Counters]
         self._series_off = g.region("series")[0]
@@ -247,6 +258,7 @@ class Segment:
         g = L.geometry(len(buf), slots, cache_slot_size)
         seg = cls("(buffer)", buf, g)
         seg._clock = lambda: now_ns
+        seg._getpid = lambda: pid
         _write_header(seg._q, buf, g, pid, 0, now_ns)
         seg._q[0] = L.MAGIC | L.MAJOR << 32 | L.MINOR << 48
         seg._lock = _BufferLock(seg._q, pid, seg._clock)
@@ -317,43 +329,44 @@ class Segment:
 
     # ---- cache [Cache] --------------------------------------------------------------------------------------
 
-    def _slot_order(self, crc: int) -> Iterable[int]:
-        first = (crc % self._cache_sets) * L.CACHE_WAYS
-        home = (crc // self._cache_sets) % L.CACHE_WAYS
-        return [first + (home + k) % L.CACHE_WAYS for k in range(L.CACHE_WAYS)]
+    def _slot_order(self, crc: int) -> range:
+        first = (crc % self._cache_sets) * _WAYS
+        return range(first, first + _WAYS)
 
     def cache_get(self, key: bytes) -> bytes | None:
         """C3/C4: seqlock read, never blocks; a slot being written (or left odd by a dead writer) is a miss."""
         crc = _crc32(key)
         klen = len(key)
-        q, I, mm = self._q, self._i, self._mm  # noqa: E741
-        size = self.geometry.cache_slot_size
-        room = self._cache_room
-        sets = self._cache_sets
-        first = (crc % sets) * L.CACHE_WAYS
-        home = (crc // sets) % L.CACHE_WAYS
-        for k in range(L.CACHE_WAYS):
-            base = self._cache_off + (first + (home + k) % L.CACHE_WAYS) * size
-            if I[(base + L.CS_KEY_CRC) // 4] != crc or I[(base + L.CS_KEY_LEN) // 4] != klen:
-                continue
-            for _ in range(CACHE_READ_RETRIES):
-                s1 = q[base // 8]
-                if s1 & 1:
+        set_ = crc % self._cache_sets
+        tags = _TAGS(self._mm, self._tags_off + set_ * L.CACHE_TAG_SET)  # one 32-byte read finds candidates (C5)
+        if crc in tags:
+            q, I, mm = self._q, self._i, self._mm  # noqa: E741
+            size, room = self._cache_slot_size, self._cache_room
+            first = self._cache_off + set_ * _WAYS * size
+            for way, tag in enumerate(tags):
+                if tag != crc:
                     continue
-                fence()
-                vlen = I[(base + L.CS_VALUE_LEN) // 4]
-                n = klen + vlen
-                data = mm[base + L.CACHE_SLOT_HEADER:base + L.CACHE_SLOT_HEADER + n] if n <= room else b""
-                k_now = I[(base + L.CS_KEY_LEN) // 4]
-                fence()
-                if q[base // 8] != s1:
-                    continue
-                if n > room or k_now != klen or data[:klen] != key:
-                    break  # a consistent slot holding another key
-                self._hits += 1
-                return data[klen:]
-            else:
-                self._torn += 1
+                base = first + way * size
+                i4, i8 = base >> 2, base >> 3
+                for _ in range(CACHE_READ_RETRIES):
+                    s1 = q[i8]
+                    if s1 & 1:
+                        continue
+                    if _fence:
+                        _fence()
+                    k_now = I[i4 + _KEY_LEN_I]
+                    n = k_now + I[i4 + _VALUE_LEN_I]
+                    data = mm[base + _SLOT_HDR:base + _SLOT_HDR + n] if n <= room else b""
+                    if _fence:
+                        _fence()
+                    if q[i8] != s1:
+                        continue
+                    if n > room or k_now != klen or data[:klen] != key:
+                        break  # a consistent slot holding another key (stale tag or crc collision)
+                    self._hits += 1
+                    return data[klen:]
+                else:
+                    self._torn += 1
         self._misses += 1
         return None
 
@@ -369,6 +382,7 @@ class Segment:
         I[(base + L.CS_KEY_CRC) // 4] = 0
         fence()
         q[base // 8] = seq + 1
+        I[self._tags_i + (base - self._cache_off) // self._cache_slot_size] = 0
         q[L.H_CACHE_REPAIRS // 8] += 1
         return True
 
@@ -415,12 +429,13 @@ class Segment:
             seq = q[base // 8]
             q[base // 8] = seq + 1  # odd: readers stay out (C1)
             fence()
-            L.CACHE_SLOT_FIELDS.pack_into(mm, base + L.CS_KEY_LEN, klen, vlen, puts, os.getpid() & 0xFFFFFFFF, crc)
+            L.CACHE_SLOT_FIELDS.pack_into(mm, base + L.CS_KEY_LEN, klen, vlen, puts, self._getpid() & 0xFFFFFFFF, crc)
             start = base + L.CACHE_SLOT_HEADER
             mm[start:start + klen] = key
             mm[start + klen:start + klen + vlen] = value
             fence()
             q[base // 8] = seq + 2  # even again: published
+            I[self._tags_i + target] = crc  # C5: the hint follows the published slot
             q[L.L_DIRTY_CACHE_SLOT // 8] = 0
             q[L.H_CACHE_PUTS // 8] = puts
         return True
@@ -575,7 +590,7 @@ class Segment:
         seq += seq & 1  # a predecessor that died mid-claim left it odd
         q[b] = seq + 1  # odd while the fields change
         fence()
-        q[b + L.SM_PID // 8] = os.getpid() if pid is None else pid
+        q[b + L.SM_PID // 8] = self._getpid() if pid is None else pid
         q[b + L.SM_ROLE // 8] = L.ROLES[role]
         q[b + L.SM_STARTED_AT_NS // 8] = now
         q[b + L.SM_HEARTBEAT_NS // 8] = now
