@@ -650,6 +650,7 @@ class Segment:
             "layout_version": self.version,
             "size": g.size,
             "slots": g.slots,
+            "gen_slots": g.gen_slots,
             "created_at_ns": q[L.H_CREATED_AT_NS // 8],
             "creator_pid": self._i[L.H_CREATOR_PID // 4],
             "regions": {n: {"offset": o, "size": sz} for n, (o, sz) in zip(L.REGION_NAMES, g.regions)},
