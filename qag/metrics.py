@@ -103,7 +103,17 @@ class _Collector:
         self.obs = obs
 
     def collect(self) -> Iterable:
-        values, hists = self.obs.backend.snapshot()
+        backend = self.obs.backend
+        if hasattr(backend, "collect"):  # the shared segment: every slot summed, dead workers included
+            values, hists = {}, {}
+            for item in backend.collect():
+                key = (item["name"], tuple(tuple(x) for x in item["labels"]))
+                if item["kind"] == "histogram":
+                    hists[key] = ("cumulative", item["buckets"], item["sum"], item["count"])
+                else:
+                    values[key] = item["value"]
+        else:
+            values, hists = backend.snapshot()
         fams: dict[str, object] = {}
         for name, (kind, doc, labels) in METRICS.items():
             if kind == "counter":
@@ -117,14 +127,21 @@ class _Collector:
             if fam is None:
                 continue
             fam.add_metric([lv for _, lv in labels], v)
-        for (name, labels), (buckets, total, count) in sorted(hists.items()):
+        for (name, labels), h in sorted(hists.items(), key=lambda kv: kv[0]):
             fam = fams.get(name)
             if fam is None:
                 continue
-            cum, acc = [], 0
-            for bound, n in zip(list(BUCKETS) + [float("inf")], buckets):
-                acc += n
-                cum.append(("+Inf" if bound == float("inf") else repr(bound), acc))
+            if h[0] == "cumulative":
+                cum = [("+Inf" if b == float("inf") else repr(float(b)), n) for b, n in h[1]]
+                if cum[-1][0] != "+Inf":
+                    cum.append(("+Inf", h[3]))
+                total = h[2]
+            else:
+                buckets, total, _ = h
+                cum, acc = [], 0
+                for bound, n in zip(list(BUCKETS) + [float("inf")], buckets):
+                    acc += n
+                    cum.append(("+Inf" if bound == float("inf") else repr(bound), acc))
             fam.add_metric([lv for _, lv in labels], cum, total)
         for gauge in self.obs.gauges:
             for name, labels, v in gauge():
