@@ -11,7 +11,7 @@ import time
 
 import requests
 
-from harness import BENCH_DIR, REPO_DIR, free_port, progress, stop_process, taskset_prefix, tree_ticks, wait_http
+from harness import BENCH_DIR, free_port, progress, stop_process, taskset_prefix, tree_ticks, wait_http
 
 PEER_VERSION = '0.43.0'
 PEER_VENV = os.path.join(BENCH_DIR, '.peer-venv')
