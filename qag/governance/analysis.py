@@ -323,6 +323,9 @@ class _Walker:
         for key, value in args.items():
             if key in ("with_", "with") and isinstance(value, exp.With):
                 continue
+            if key == "tables" and isinstance(node, exp.Delete) and isinstance(value, list):
+                # MySQL DELETE t1 FROM t1 JOIN t2: the leading names are aliases of the FROM tables.
+                value = [v for v in value if not self._is_delete_alias(node, v)]
             if isinstance(node, exp.Table) and key in ("this", "db", "catalog") and isinstance(value, exp.Identifier):
                 continue
             if isinstance(value, list):
@@ -388,6 +391,19 @@ class _Walker:
             self.ops.add(kw[0] if kw else "command")
             self.opaque = self.opaque or "a statement qag cannot parse fully"
             return
+
+    def _is_delete_alias(self, node: exp.Delete, t) -> bool:
+        if not isinstance(t, exp.Table) or t.args.get("db") is not None or not isinstance(t.this, exp.Identifier):
+            return False
+        name = normalize_identifier(t.this, self.dialect)
+        for other in node.find_all(exp.Table):
+            if other is t:
+                continue
+            alias = other.args.get("alias")
+            if isinstance(alias, exp.TableAlias) and alias.this is not None and \
+                    normalize_identifier(alias.this, self.dialect) == name:
+                return True
+        return False
 
     def _write(self, node: exp.Expression, op: str) -> None:
         if isinstance(node, exp.Insert):
