@@ -117,7 +117,7 @@ class DataResource:
         app, rt = self.app, self.app.runtime
         t0 = time.perf_counter()
         stages: list[tuple[str, float]] = []
-        run: dict[str, Any] = {"query": name, "version": None, "key_name": None, "connection": None,
+        run: dict[str, Any] = {"at_us": time.time_ns() // 1000, "query": name, "version": None, "key_name": None, "connection": None,
                                "rows": 0, "bytes": 0, "transport": "http"}
         query_seconds = None
         plan_hit = None
@@ -314,6 +314,8 @@ class QagApp:
         self.observer = observer or Observer()
         self.recorder = recorder  # callable(run: dict) or None
         self.segment = segment
+        self.run_store_url: str | None = None
+        self._run_store = None
         self._apply = None
         self.falcon = falcon.App(middleware=[RequestIdMiddleware(self)])
         self.falcon.req_options.auto_parse_qs_csv = False
@@ -323,13 +325,23 @@ class QagApp:
         self.falcon.add_error_handler(falcon.HTTPError, self._on_http_error)
         self.falcon.add_error_handler(ApiError, self._on_api_error)
         self.falcon.add_route(DataResource.ROUTE, DataResource(self))
-        from qag.api import manage, ops
+        from qag.api import manage, ops, runs
         manage.register(self)
         ops.register(self)
+        runs.register(self)
         self.falcon.add_sink(self._not_found, r"/")
 
     def __call__(self, environ, start_response):
         return self.falcon(environ, start_response)
+
+    def run_store(self):
+        """The run store, opened on first use by this worker (reads only: the recorder writes)."""
+        if self._run_store is None:
+            if not self.run_store_url:
+                raise ApiError(503, "run_store_unavailable", "This server records no runs (no run store).")
+            from qag.runstore import open_store
+            self._run_store = open_store(self.run_store_url)
+        return self._run_store
 
     def apply_transforms(self, transforms, cols, rows, key):
         if self._apply is None:

@@ -28,6 +28,7 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "qag_ring_occupancy_bytes": ("gauge", "Bytes waiting in each run ring.", ("slot",)),
     "qag_recorder_lag_seconds": ("gauge", "Age of the recorder's last heartbeat.", ()),
     "qag_recorder_batches_total": ("counter", "Batches the recorder committed to the run store.", ()),
+    "qag_store_statements_total": ("counter", "Statements sent to the metadata store (zero on a warm call).", ()),
     "qag_generation": ("gauge", "The global generation of the shared segment.", ()),
 }
 
@@ -88,6 +89,9 @@ class Observer:
             b.histogram_observe(slot, "qag_query_duration_seconds", (), query_seconds)
         if plan_hit is not None:
             b.counter_add(slot, "qag_plan_cache_total", (("result", "hit" if plan_hit else "miss"),), 1)
+
+    def store_statement(self) -> None:
+        self.backend.counter_add(self.slot, "qag_store_statements_total", (), 1)
 
     def run_recorded(self, ok: bool) -> None:
         self.backend.counter_add(self.slot, "qag_runs_recorded_total" if ok else "qag_runs_lost_total", (), 1)

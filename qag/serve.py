@@ -130,7 +130,8 @@ class QagGunicorn(BaseApplication):
 
     def load(self):
         from qag.worker import build_worker_app
-        return build_worker_app(self.qcfg, slot=_WORKER_SLOT or 0, segment_name=self.segment_name)
+        return build_worker_app(self.qcfg, slot=_WORKER_SLOT or 0, segment_name=self.segment_name,
+                                plane_slot=getattr(self.arbiter_hooks, "plane_slot", None))
 
 
 def run(cfg, *, pin: bool = True) -> int:
@@ -150,7 +151,7 @@ def run(cfg, *, pin: bool = True) -> int:
     cpu_plan = plan_workers(cfg.workers)
     workers = len(cpu_plan)
     from qag import arbiter
-    hooks = arbiter.ArbiterHooks(cfg)
+    hooks = arbiter.ArbiterHooks(cfg, workers)
     segment_name = hooks.start()
     import gunicorn.util
 

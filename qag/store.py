@@ -125,6 +125,7 @@ class Store:
         self._all: list[Any] = []
         self._lock = threading.Lock()
         self.statements = 0  # counted per process: tests prove a warm call reads nothing
+        self.observer = None  # counts statements into qag_store_statements_total when set
         if not self.is_pg:
             os.makedirs(home, exist_ok=True)
             self.sqlite_path = os.path.join(home, "qag.db")
@@ -625,6 +626,9 @@ class _Cursor:
 
     def execute(self, sql: str, params: Iterable = ()):
         self._store.statements += 1
+        obs = self._store.observer
+        if obs is not None:
+            obs.store_statement()
         try:
             return self._cur.execute(self._store._sql(sql), tuple(params))
         except sqlite3.IntegrityError:

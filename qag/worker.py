@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import logging
+import os
 
+from qag import runrecord
 from qag.app import QagApp
 from qag.metrics import Observer
 from qag.runtime import Runtime
@@ -11,15 +13,35 @@ from qag.store import Store
 log = logging.getLogger("qag.worker")
 
 
-def build_worker_app(cfg, *, slot: int, segment_name: str | None) -> QagApp:
+class RingRecorder:
+    """Puts one run record into this worker's ring; a ring still full after QAG_RECORD_WAIT_MS counts the
+    run as lost (qag_runs_lost_total) instead of blocking the call for ever."""
+
+    __slots__ = ("ring", "wait_ms", "served_by", "observer")
+
+    def __init__(self, segment, slot: int, wait_ms: int, observer: Observer):
+        self.ring = segment.ring(slot)
+        self.wait_ms = wait_ms
+        self.served_by = f"worker:{slot}"
+        self.observer = observer
+
+    def __call__(self, run: dict) -> None:
+        payload = runrecord.pack(run["at_us"], run["key_name"], run["query"], run["version"], run["connection"],
+                                 run["status"], run["code"], run["rows"], run["duration_us"], run["bytes"],
+                                 run["request_id"], self.served_by, run["transport"], run["route"])
+        self.observer.run_recorded(self.ring.push(payload, self.wait_ms))
+
+
+def build_worker_app(cfg, *, slot: int, segment_name: str | None, plane_slot: int | None = None) -> QagApp:
     store = Store(home=cfg.home, database_url=cfg.database_url, secret_key=cfg.secret_key)
-    segment = None
-    gens = None
-    observer = Observer(slot=slot)
-    if segment_name:
-        import shm
-        segment = shm.Segment.attach(segment_name)
-        gens = segment
-        observer = Observer(backend=segment, slot=slot)
-    runtime = Runtime(cfg, store, gens, slot=slot)
-    return QagApp(cfg, runtime, observer=observer, segment=segment)
+    import shm
+    segment = shm.Segment.attach(segment_name)
+    segment.set_slot(slot, "worker", os.getpid())
+    observer = Observer(backend=segment, slot=slot)
+    store.observer = observer
+    runtime = Runtime(cfg, store, segment, slot=slot)
+    recorder = RingRecorder(segment, slot, cfg.record_wait_ms, observer)
+    app = QagApp(cfg, runtime, observer=observer, recorder=recorder, segment=segment)
+    from qag.arbiter import run_store_url
+    app.run_store_url = run_store_url(cfg)
+    return app

@@ -1,0 +1,147 @@
+"""Runs as the recorder stored them: /api/v1/history, /api/v1/usage (administrators) and /events (SSE).
+
+/events sends each run as `id: <event id>` and resumes after any id given (Last-Event-ID or
+?last_event_id=). Event ids are assigned by the one recorder in commit order, so reading `id > last`
+never misses a run committed later with a smaller id (see qag/runstore).
+"""
+from __future__ import annotations
+
+import json
+import time
+
+from qag.api.manage import ok, require_admin
+from qag.errors import ApiError
+
+KEEPALIVE_S = 15.0
+POLL_S = 0.1
+
+
+def _int(req, name, default, lo, hi):
+    raw = req.get_param(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        v = int(raw)
+    except ValueError:
+        raise ApiError(400, "invalid_paging", f"{name} must be an integer.") from None
+    if not lo <= v <= hi:
+        raise ApiError(400, "invalid_paging", f"{name} must be between {lo} and {hi}.")
+    return v
+
+
+def _store_call(fn):
+    try:
+        return fn()
+    except ValueError as exc:
+        raise ApiError(400, "invalid_filter", f"{exc}.") from None
+
+
+class History:
+    def __init__(self, app):
+        self.app = app
+
+    def on_get(self, req, resp):
+        require_admin(self.app, req)
+        unknown = set(req.params) - {"query", "key", "status", "since", "until", "limit", "cursor"}
+        if unknown:
+            raise ApiError(400, "unknown_field", f"Unknown filter(s) {', '.join(sorted(unknown))}.")
+        limit = _int(req, "limit", 100, 1, 1000)
+        store = self.app.run_store()
+        items, nxt = _store_call(lambda: store.history(
+            query=req.get_param("query"), key=req.get_param("key"), status=req.get_param("status"),
+            since=req.get_param("since"), until=req.get_param("until"), limit=limit, cursor=req.get_param("cursor")))
+        ok(resp, {"items": items, "next_cursor": nxt})
+
+
+class Usage:
+    def __init__(self, app):
+        self.app = app
+
+    def on_get(self, req, resp):
+        require_admin(self.app, req)
+        unknown = set(req.params) - {"per", "since", "until", "key", "query"}
+        if unknown:
+            raise ApiError(400, "unknown_field", f"Unknown filter(s) {', '.join(sorted(unknown))}.")
+        store = self.app.run_store()
+        items = _store_call(lambda: store.usage(per=req.get_param("per") or "hour", since=req.get_param("since"),
+                                                until=req.get_param("until"), key=req.get_param("key"),
+                                                query=req.get_param("query")))
+        ok(resp, {"items": items, "next_cursor": None})
+
+
+class Events:
+    """Server-Sent Events of runs; a key sees its own, an administrator all."""
+
+    def __init__(self, app):
+        self.app = app
+
+    def on_get(self, req, resp):
+        p = self.app.runtime.authenticate(req.get_header("X-API-Key"), req.remote_addr)
+        raw = req.get_header("Last-Event-ID") or req.get_param("last_event_id") or "0"
+        try:
+            last = int(raw)
+            if last < 0:
+                raise ValueError
+        except ValueError:
+            raise ApiError(400, "invalid_event_id", "Last-Event-ID must be an event id (a non-negative integer).") \
+                from None
+        limit_total = _int(req, "limit", 0, 0, 10_000_000)  # 0: follow for ever
+        key_name = None if p.admin else p.name
+        store = self.app.run_store()
+        runtime = self.app.runtime
+
+        def gen():
+            nonlocal last
+            sent = 0
+            yield b"retry: 1000\n\n"
+            quiet_since = time.monotonic()
+            while True:
+                if not p.admin:  # a revoked key's stream ends at once
+                    try:
+                        runtime.authenticate(req.get_header("X-API-Key"), req.remote_addr)
+                    except ApiError:
+                        return
+                batch = store.events_after(last, key_name, 1000)
+                if batch:
+                    out = []
+                    for ev in batch:
+                        out.append(f"id: {ev['event_id']}\nevent: run\ndata: {json.dumps(ev)}\n\n")
+                        last = ev["event_id"]
+                        sent += 1
+                        if limit_total and sent >= limit_total:
+                            break
+                    yield "".join(out).encode()
+                    quiet_since = time.monotonic()
+                    if limit_total and sent >= limit_total:
+                        return
+                    continue
+                if time.monotonic() - quiet_since >= KEEPALIVE_S:
+                    yield b": keep-alive\n\n"
+                    quiet_since = time.monotonic()
+                time.sleep(POLL_S)
+
+        resp.content_type = "text/event-stream"
+        resp.set_header("Cache-Control", "no-store")
+        resp.set_header("X-Accel-Buffering", "no")
+        resp.stream = gen()
+
+
+class ShmStat:
+    def __init__(self, app):
+        self.app = app
+
+    def on_get(self, req, resp):
+        require_admin(self.app, req)
+        seg = self.app.segment
+        if seg is None:
+            raise ApiError(404, "not_found", "This process has no shared segment.")
+        resp.content_type = "application/json"
+        resp.text = json.dumps(seg.stat(), default=str)
+
+
+def register(app) -> None:
+    f = app.falcon
+    f.add_route("/api/v1/history", History(app))
+    f.add_route("/api/v1/usage", Usage(app))
+    f.add_route("/events", Events(app))
+    f.add_route("/-/shm", ShmStat(app))
