@@ -263,8 +263,8 @@ def _classify_command(sql: str, dialect: str, tree: exp.Command, depth: int) -> 
                         sub.opaque, True, False)
     if first == "show":
         return Analysis(sql, dialect, tree, False, frozenset(), (), (), "SHOW statements", False, True)
-    if first == "replace" and dialect == "mysql":
-        # MySQL REPLACE is INSERT that first deletes a clashing row: analyse it as that INSERT.
+    if first == "replace" and dialect in ("mysql", "sqlite"):
+        # REPLACE is an INSERT that first deletes a clashing row: analyse it as that INSERT.
         try:
             ins = sqlglot.parse_one("INSERT " + rest, read=dialect)
         except SqlglotError:

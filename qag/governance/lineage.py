@@ -238,6 +238,9 @@ class Lineage:
         scope.aliases = lin
 
     def projection(self, e, scope):
+        if isinstance(e, exp.Apply):
+            # ClickHouse "* APPLY(f)": one output per column, each derived from that column alone.
+            return self.projection(e.this, scope)
         if isinstance(e, exp.Star):
             return self.star(e, scope, scope.merged)
         if isinstance(e, exp.Column) and isinstance(e.this, exp.Star):
@@ -352,6 +355,9 @@ class Lineage:
                 return _Source((alias or "unnest").lower(), [(n, lin) for n in names])
             return _Source((alias or "unnest").lower(), [(f"unnest{i}", lin) for i in range(width)])
         if isinstance(node, exp.Values):
+            if d == "clickhouse":
+                # ClickHouse values('a UInt8, b String', ...) declares its columns in a string.
+                return _Source((alias or "values").lower(), None, any_lineage=EMPTY)
             cols = self.values(node, scope)
             return self._derived(alias, colnames, cols)
         if isinstance(node, _QUERY):
