@@ -22,7 +22,8 @@ def main(argv=None) -> int:
                     help="run store URL: a SQLite path, postgresql://, clickhouse:// or chdb:///dir")
     ap.add_argument("--slot", type=int, default=None,
                     help="process slot whose heartbeat this recorder publishes in the segment")
-    ap.add_argument("--batch-max", type=int, default=5000)
+    ap.add_argument("--batch-max", type=int, default=None,
+                    help="most runs per batch (default: the store's hint, 5000 SQL, 50000 ClickHouse)")
     ap.add_argument("--batch-ms", type=int, default=50)
     ap.add_argument("--attach-timeout", type=float, default=10.0,
                     help="seconds to wait for the segment to appear")
@@ -75,7 +76,8 @@ def main(argv=None) -> int:
             _seg.set_heartbeat(_slot, state.last_event_id)
 
     log.info("recording segment %s into %s", args.segment, _redact(args.store))
-    state = run_recorder(seg, store, stop, batch_max=args.batch_max, batch_ms=args.batch_ms, publish=publish)
+    batch_max = args.batch_max or getattr(store, "batch_max_hint", 5000)
+    state = run_recorder(seg, store, stop, batch_max=batch_max, batch_ms=args.batch_ms, publish=publish)
     log.info("stopped: %d runs in %d batches, last event id %d", state.records, state.batches, state.last_event_id)
     store.close()
     seg.close()

@@ -122,6 +122,7 @@ class SqlRunStore:
     """Run store in SQLite (`path`) or PostgreSQL (`dsn`). One instance per thread of use."""
 
     kind = "sql"
+    batch_max_hint = 5000
 
     def __init__(self, url: str, settings: StoreSettings | None = None):
         self.url = url

@@ -1,0 +1,221 @@
+"""The recorder's batching and exactly-once bookkeeping, against in-process rings (the ring API of
+shm, without shared memory) and a real SQLite database in memory. The same loop runs against a real
+segment in tests/integration/test_recorder_shm.py."""
+import threading
+import time
+
+import pytest
+
+from qag import runrecord as rr
+from qag.recorder import resume_positions, run_recorder
+from qag.runstore.sql import SqlRunStore
+
+
+class FakeRing:
+    def __init__(self):
+        self.recs = []  # (pos_after, payload)
+        self.tail = 0
+        self.head = 0
+        self.capacity = 1 << 20
+        self.lock = threading.Lock()
+
+    def push(self, payload, wait_ms=0):
+        with self.lock:
+            self.head += 8 + ((len(payload) + 7) & ~7)
+            self.recs.append((self.head, payload))
+        return True
+
+    def read_from(self, pos, max_records):
+        with self.lock:
+            assert self.tail <= pos <= self.head, (self.tail, pos, self.head)
+            out = [r for r in self.recs if r[0] > pos]
+            return out[:max_records]
+
+    def read(self, max_records):
+        return self.read_from(self.tail, max_records)
+
+    def release(self, pos):
+        with self.lock:
+            assert self.tail <= pos <= self.head
+            self.tail = pos
+            self.recs = [r for r in self.recs if r[0] > pos]
+
+
+class FakeSource:
+    name = "fake"
+
+    def __init__(self, n):
+        self.rings = [FakeRing() for _ in range(n)]
+
+    def ring_count(self):
+        return len(self.rings)
+
+    def ring(self, i):
+        return self.rings[i]
+
+
+class ObservedStore(SqlRunStore):
+    """The real SQLite store, remembering batch sizes and able to fail its next commits."""
+
+    def __init__(self):
+        super().__init__(":memory:")
+        self.ensure_schema()
+        self.sizes = []
+        self.fail_next = 0
+        self.tails_at_commit = []
+
+    def commit(self, batch):
+        if self.fail_next:
+            self.fail_next -= 1
+            raise ConnectionError("store down")
+        out = super().commit(batch)
+        self.sizes.append(len(batch.rows))
+        return out
+
+    def request_ids(self):
+        return [r[0] for r in self._read("SELECT request_id FROM qag_events ORDER BY event_id")]
+
+
+def fill(source, per_ring, prefix="r"):
+    for s, ring in enumerate(source.rings):
+        for i in range(per_ring):
+            ring.push(rr.encode(key_name=f"k{s}", query="q", request_id=f"{prefix}{s}-{i}"))
+
+
+def run_until_drained(source, store, timeout=20, **kw):
+    stop = threading.Event()
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("state", run_recorder(source, store, stop, **kw)))
+    t.start()
+    deadline = time.monotonic() + timeout
+    while any(r.tail != r.head for r in source.rings) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    stop.set()
+    t.join(timeout)
+    assert not t.is_alive()
+    return out["state"]
+
+
+def test_batches_never_exceed_batch_max_and_every_run_is_written_once():
+    src, store = FakeSource(3), ObservedStore()
+    fill(src, 4000)
+    state = run_until_drained(src, store, batch_max=1000, batch_ms=1000)
+    ids = store.request_ids()
+    assert len(ids) == 12000 and len(set(ids)) == 12000
+    assert max(store.sizes) <= 1000 and sum(store.sizes) == 12000
+    assert state.records == 12000
+    assert all(r.tail == r.head for r in src.rings)
+    assert store.positions(state.source_id) == {i: r.head for i, r in enumerate(src.rings)}
+
+
+def test_a_partial_batch_is_written_after_batch_ms():
+    src, store = FakeSource(1), ObservedStore()
+    stop = threading.Event()
+    t = threading.Thread(target=run_recorder, args=(src, store, stop), kwargs={"batch_max": 1000, "batch_ms": 30})
+    t.start()
+    try:
+        time.sleep(0.05)
+        t0 = time.monotonic()
+        fill(src, 3)
+        while len(store.request_ids()) < 3 and time.monotonic() - t0 < 5:
+            time.sleep(0.002)
+        elapsed = time.monotonic() - t0
+        assert len(store.request_ids()) == 3
+        assert 0.02 <= elapsed < 1.0, elapsed  # waited for the batch window, not for batch_max
+        assert store.sizes == [3]
+    finally:
+        stop.set()
+        t.join(10)
+
+
+def test_rings_are_released_only_after_a_commit_and_failed_writes_are_retried():
+    src, store = FakeSource(2), ObservedStore()
+    fill(src, 500)
+    store.fail_next = 3
+    stop = threading.Event()
+    t = threading.Thread(target=run_recorder, args=(src, store, stop), kwargs={"batch_max": 10000, "batch_ms": 5})
+    t.start()
+    time.sleep(0.08)  # the first attempts fail (50, 100 ms backoff...)
+    assert all(r.tail == 0 for r in src.rings), "a tail moved before its batch committed"
+    deadline = time.monotonic() + 10
+    while any(r.tail != r.head for r in src.rings) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stop.set()
+    t.join(10)
+    ids = store.request_ids()
+    assert len(ids) == 1000 and len(set(ids)) == 1000
+
+
+def test_resume_skips_what_was_written_before_a_crash_but_not_released():
+    src, store = FakeSource(2), ObservedStore()
+    fill(src, 100)
+    # A batch committed (positions durable) whose process died before releasing the rings.
+    r0 = src.rings[0]
+    batch = [(0, p, pl) for p, pl in r0.read_from(0, 60)]
+    store.write_batch("fake", batch)
+    assert r0.tail == 0
+    cursor = resume_positions(src.rings, store.positions("fake"))
+    assert cursor == {0: batch[-1][1], 1: 0} and r0.tail == batch[-1][1]
+    run_until_drained(src, store, batch_max=50)
+    ids = store.request_ids()
+    assert len(ids) == 200 and len(set(ids)) == 200
+
+
+def test_positions_from_another_segment_are_ignored():
+    src = FakeSource(1)
+    fill(src, 5)
+    assert resume_positions(src.rings, {0: 10**9}) == {0: 0}
+
+
+def test_no_ring_starves_the_others():
+    src, store = FakeSource(2), ObservedStore()
+    fill(src, 3000)
+    first_batch_slots = []
+    orig = store.prepare
+
+    def prepare(source, records):
+        if not first_batch_slots:
+            first_batch_slots.extend(sorted({s for s, _p, _pl in records}))
+        return orig(source, records)
+
+    store.prepare = prepare
+    run_until_drained(src, store, batch_max=4000, batch_ms=1000)
+    assert first_batch_slots == [0, 1]
+
+
+def test_undecodable_payloads_are_counted_and_skipped_not_fatal():
+    src, store = FakeSource(1), ObservedStore()
+    src.rings[0].push(b"\xc1not a record")
+    fill(src, 10)
+    state = run_until_drained(src, store)
+    assert len(store.request_ids()) == 10
+    assert state.bad_records == 1
+    assert src.rings[0].tail == src.rings[0].head
+
+
+def test_stop_flushes_what_was_read_and_publish_reports_progress():
+    src, store = FakeSource(1), ObservedStore()
+    fill(src, 50)
+    seen = []
+    stop = threading.Event()
+    stop.set()  # stop at once: what is read in the first pass is still written
+    state = run_recorder(src, store, stop, batch_ms=10_000, publish=lambda s: seen.append(s.last_event_id))
+    assert state.records == 50 and len(store.request_ids()) == 50
+    assert seen and seen[-1] == state.last_event_id > 0
+    assert state.lag_bytes == {0: 0}
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.25])
+def test_history_sampling_keeps_failures_and_usage_stays_exact(rate):
+    store = SqlRunStore(":memory:")
+    store.settings = type(store.settings)(history_sample_rate=rate)
+    store.ensure_schema()
+    recs = [(0, i + 1, rr.encode(status=500 if i % 10 == 0 else 200, code="query_failed" if i % 10 == 0 else None,
+                                 key_name="k", query="q", request_id=str(i), rows=2)) for i in range(4000)]
+    store.write_batch("s", recs)
+    hist = store._read("SELECT status, count(*) FROM qag_history GROUP BY status")
+    by = dict(hist)
+    assert by[500] == 400  # every failure
+    assert abs(by.get(200, 0) - rate * 3600) <= 3600 * 0.05 + 1
+    (usage,) = store.usage(per="day")
+    assert (usage["calls"], usage["errors"], usage["rows"]) == (4000, 400, 8000)
