@@ -9,6 +9,18 @@ from .ring import Ring, RingError
 from .segment import LayoutError, Segment, SegmentFull, segment_name
 
 __all__ = [
-    "Segment", "LayoutError", "SegmentFull", "LockTimeout", "Ring", "RingError", "segment_name",
-    "pack_entry", "unpack_entry", "entry_current", "HIST_BOUNDS", "DEFAULT_SIZE", "MAJOR", "MINOR",
+    "DEFAULT_SIZE",
+    "HIST_BOUNDS",
+    "MAJOR",
+    "MINOR",
+    "LayoutError",
+    "LockTimeout",
+    "Ring",
+    "RingError",
+    "Segment",
+    "SegmentFull",
+    "entry_current",
+    "pack_entry",
+    "segment_name",
+    "unpack_entry",
 ]

@@ -4,7 +4,8 @@ The segment stores opaque bytes; callers that follow this convention get generat
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
@@ -26,6 +27,6 @@ def unpack_entry(data: bytes) -> tuple[Any, list[tuple[str, str, int]]]:
     return payload, [(k, i, g) for k, i, g in gens]
 
 
-def entry_current(seg: "Segment", gens: Iterable[tuple[str, str, int]]) -> bool:
+def entry_current(seg: Segment, gens: Iterable[tuple[str, str, int]]) -> bool:
     """True when every generation the entry was built from is still the segment's (one 8-byte read each)."""
     return all(seg.gen(k, i) == g for k, i, g in gens)

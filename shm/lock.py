@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
+from typing import Self
 
 import posix_ipc
 
@@ -49,7 +50,7 @@ def owner_alive(pid: int, start: int) -> bool:
 class WriterLock:
     """Context manager around the named semaphore; `on_takeover` repairs what a dead owner left half-written."""
 
-    __slots__ = ("sem", "recovery", "q", "pid", "start", "on_takeover", "held")
+    __slots__ = ("held", "on_takeover", "pid", "q", "recovery", "sem", "start")
 
     def __init__(self, sem: posix_ipc.Semaphore, recovery: posix_ipc.Semaphore, q: memoryview,
                  on_takeover: Callable[[], None]) -> None:
@@ -124,7 +125,7 @@ class WriterLock:
         self.held = False
         self.sem.release()
 
-    def __enter__(self) -> "WriterLock":
+    def __enter__(self) -> Self:
         self.acquire()
         return self
 

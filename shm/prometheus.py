@@ -5,7 +5,8 @@ Usage: `REGISTRY.register(ShmCollector(seg, help={"qag_requests_total": "Calls b
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import Metric
 from prometheus_client.utils import floatToGoString
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
 class ShmCollector:
     """Renders counters (`<name>` with `_total`), gauges and histograms (`_bucket{le}`, `_sum`, `_count`)."""
 
-    def __init__(self, seg: "Segment", help: Mapping[str, str] | None = None) -> None:  # noqa: A002
+    def __init__(self, seg: Segment, help: Mapping[str, str] | None = None) -> None:
         self.seg = seg
         self.help = dict(help or {})
 

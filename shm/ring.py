@@ -27,9 +27,9 @@ class RingError(RuntimeError):
 class Ring:
     """A view of ring `slot`; cheap to make, holds no state of its own beyond offsets."""
 
-    __slots__ = ("slot", "_mm", "_q", "_base", "_data", "_head_i", "_tail_i", "_cap", "_mask", "_max_record")
+    __slots__ = ("_base", "_cap", "_data", "_head_i", "_mask", "_max_record", "_mm", "_q", "_tail_i", "slot")
 
-    def __init__(self, seg: "Segment", slot: int) -> None:
+    def __init__(self, seg: Segment, slot: int) -> None:
         if not 0 <= slot < seg.slots:
             raise IndexError(f"ring slot {slot} out of range 0..{seg.slots - 1}")
         g = seg.geometry
@@ -71,9 +71,8 @@ class Ring:
         off = head & self._mask
         contiguous = self._cap - off
         need = rl if rl <= contiguous else contiguous + rl
-        if need > self._cap - (head - q[self._tail_i]):
-            if not self._wait(head, need, wait_ms):
-                return False
+        if need > self._cap - (head - q[self._tail_i]) and not self._wait(head, need, wait_ms):
+            return False
         mm = self._mm
         if rl > contiguous:  # no record straddles the end: a pad word sends the consumer to offset 0
             q[(self._data + off) // 8] = _PAD_WORD

@@ -11,7 +11,7 @@ import struct
 import time
 import zlib
 from bisect import bisect_left
-from typing import Any
+from typing import Any, Self
 
 import msgpack
 import posix_ipc
@@ -93,7 +93,7 @@ def _write_header(q: memoryview, mm: Any, g: L.Geometry, pid: int, start: int, n
 
 
 def _read_geometry(mm: Any, size: int) -> L.Geometry:
-    u32 = lambda off: L.U32.unpack_from(mm, off)[0]  # noqa: E731
+    u32 = lambda off: L.U32.unpack_from(mm, off)[0]
     total = L.U64.unpack_from(mm, L.H_TOTAL_SIZE)[0]
     if total != size:
         raise LayoutError(f"segment header says {total} bytes but the object has {size}")
@@ -109,7 +109,7 @@ def _read_geometry(mm: Any, size: int) -> L.Geometry:
 class _BufferLock:
     """The writers' lock for a segment in a private buffer (golden vectors): one process, a fixed owner."""
 
-    __slots__ = ("q", "pid", "clock", "held")
+    __slots__ = ("clock", "held", "pid", "q")
 
     def __init__(self, q: memoryview, pid: int, clock: Any) -> None:
         self.q, self.pid, self.clock, self.held = q, pid, clock, False
@@ -125,7 +125,7 @@ class _BufferLock:
         self.q[L.L_OWNER_PID // 8] = 0
         self.held = False
 
-    def __enter__(self) -> "_BufferLock":
+    def __enter__(self) -> Self:
         self.acquire()
         return self
 
@@ -174,7 +174,7 @@ class Segment:
 
     @classmethod
     def create(cls, name: str, size: int | None = None, slots: int = 16, *,
-               cache_slot_size: int = L.CACHE_SLOT_SIZE, force: bool = False) -> "Segment":
+               cache_slot_size: int = L.CACHE_SLOT_SIZE, force: bool = False) -> Segment:
         """LAYOUT.md [Life]: make the segment, replacing a stale one (its creator is dead); magic word last."""
         _check_name(name)
         g = L.geometry(size, slots, cache_slot_size)
@@ -211,7 +211,7 @@ class Segment:
         return seg
 
     @classmethod
-    def attach(cls, name: str) -> "Segment":
+    def attach(cls, name: str) -> Segment:
         """LAYOUT.md [Life]: map an existing segment; refuse a different major version, naming both."""
         _check_name(name)
         try:
@@ -253,7 +253,7 @@ class Segment:
 
     @classmethod
     def in_buffer(cls, buf: bytearray, slots: int = 2, *, pid: int = 4242, now_ns: int = 1_700_000_000_000_000_000,
-                  cache_slot_size: int = L.CACHE_SLOT_SIZE) -> "Segment":
+                  cache_slot_size: int = L.CACHE_SLOT_SIZE) -> Segment:
         """A segment formatted in a private buffer with a fixed pid and clock: the golden vectors (shm.vectors)."""
         g = L.geometry(len(buf), slots, cache_slot_size)
         seg = cls("(buffer)", buf, g)
@@ -282,7 +282,7 @@ class Segment:
         """Remove the names (clean stop); mapped processes keep their mapping until they close."""
         _unlink_quietly(self.name)
 
-    def __enter__(self) -> "Segment":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -340,7 +340,7 @@ class Segment:
         set_ = crc % self._cache_sets
         tags = _TAGS(self._mm, self._tags_off + set_ * L.CACHE_TAG_SET)  # one 32-byte read finds candidates (C5)
         if crc in tags:
-            q, I, mm = self._q, self._i, self._mm  # noqa: E741
+            q, I, mm = self._q, self._i, self._mm
             size, room = self._cache_slot_size, self._cache_room
             first = self._cache_off + set_ * _WAYS * size
             for way, tag in enumerate(tags):
@@ -371,7 +371,7 @@ class Segment:
         return None
 
     def _discard_if_odd(self, base: int) -> bool:
-        q, I = self._q, self._i  # noqa: E741
+        q, I = self._q, self._i
         seq = q[base // 8]
         if not seq & 1:
             return False
@@ -388,7 +388,7 @@ class Segment:
 
     def cache_put(self, key: bytes, value: bytes) -> bool:
         """C2: under the writers' lock; same key overwrites, else an empty way, else the oldest (FIFO per set)."""
-        q, I, mm = self._q, self._i, self._mm  # noqa: E741
+        q, I, mm = self._q, self._i, self._mm
         klen, vlen = len(key), len(value)
         if klen == 0:
             raise ValueError("cache key must not be empty")
@@ -664,4 +664,4 @@ class Segment:
         }
 
 
-__all__ = ["Segment", "LayoutError", "SegmentFull", "LockTimeout", "segment_name"]
+__all__ = ["LayoutError", "LockTimeout", "Segment", "SegmentFull", "segment_name"]

@@ -17,8 +17,8 @@ from shm import Segment
 
 FORK = mp.get_context("fork")
 SIZE = 2 * 1024 * 1024  # ~400 cache slots: 1500 keys force evictions and slot reuse
-KEYS = [b"plan:key%d:q%d:1" % (i, i % 7) for i in range(1500)]
-IDENTS = ["k%d" % i for i in range(8)]
+KEYS = [f"plan:key{i}:q{i % 7}:1".encode() for i in range(1500)]
+IDENTS = [f"k{i}" for i in range(8)]
 DURATION = float(os.environ.get("QAG_SHM_STRESS_SECONDS", "5"))
 
 
@@ -45,7 +45,7 @@ def make_value(key: bytes, writer: int, seq: int, rnd: random.Random, max_len: i
 def verify(key: bytes, value: bytes) -> None:
     payload, digest = value[:-16], value[-16:]
     assert hashlib.blake2b(payload, digest_size=16).digest() == digest, "torn cache read"
-    writer, seq, body_len, klen = struct.unpack_from("<HIIH", payload)
+    _writer_id, _seq, body_len, klen = struct.unpack_from("<HIIH", payload)
     assert payload[12:12 + klen] == key, "cache returned another key's value"
     assert len(payload) == 12 + klen + body_len
 

@@ -68,7 +68,7 @@ def test_header_geometry_line_and_small_profile():
 def test_region_table_geometry():
     """[Geometry]: regions in order, page-aligned, contiguous from 4096, sizes derived as documented."""
     slots, gen_slots, series_max, cells, slot_size = 2, 256, 128, 1024, 4096
-    rnd = lambda n: (n + 4095) // 4096 * 4096  # noqa: E731
+    rnd = lambda n: (n + 4095) // 4096 * 4096
     off = 4096
     expected_fixed = [rnd(slots * 64), rnd(3 * gen_slots * 8), rnd(series_max * 256), rnd(slots * cells * 8)]
     for name, size in zip(REGION_NAMES[:4], expected_fixed):
@@ -120,8 +120,8 @@ def _cache_slot(buf: bytes, n: int) -> dict:
     seq, klen, vlen, stamp, pid, kcrc = struct.unpack_from("<QIIQII", buf, off)
     key = buf[off + 64:off + 64 + klen]
     value = buf[off + 64 + klen:off + 64 + klen + vlen]
-    return dict(seq=seq, klen=klen, vlen=vlen, stamp=stamp, pid=pid, kcrc=kcrc, key=key, value=value,
-                reserved=buf[off + 32:off + 64])
+    return {"seq": seq, "klen": klen, "vlen": vlen, "stamp": stamp, "pid": pid, "kcrc": kcrc, "key": key,
+            "value": value, "reserved": buf[off + 32:off + 64]}
 
 
 def test_cache_slots_C1_C2_and_entry_convention():
@@ -180,7 +180,7 @@ def test_counter_cells_N1_N2_N3():
     """[Counters] N1 one f64 block per slot; N2 non-cumulative buckets then sum; N3 totals are sums over slots."""
     off = region(SEG, "counters")[0]
     cells = u32(SEG, 96)
-    block = lambda s: struct.unpack_from(f"<{cells}d", SEG, off + 8 * cells * s)  # noqa: E731
+    block = lambda s: struct.unpack_from(f"<{cells}d", SEG, off + 8 * cells * s)
     b0, b1 = block(0), block(1)
     assert (b0[0], b1[0]) == (3.0, 2.0)
     hist0, hist1 = b0[1:19], b1[1:19]
