@@ -85,6 +85,7 @@ SM_ROLE = 16  # u64, ROLES code
 SM_STARTED_AT_NS = 24  # u64
 SM_HEARTBEAT_NS = 32  # u64
 SM_HEARTBEAT_VALUE = 40  # u64
+SM_PROC_START = 48  # u64, occupant's /proc/<pid>/stat start time (alive = same pid and same start)
 ROLES = {"": 0, "worker": 1, "recorder": 2, "plane": 3, "other": 4}
 ROLE_NAMES = {v: k for k, v in ROLES.items()}
 

@@ -83,6 +83,8 @@ class WriterLock:
                 return
             except posix_ipc.BusyError:
                 pass
+            except posix_ipc.SignalError:
+                continue  # a signal handler ran (gunicorn workers get them): wait again
             q = self.q
             owner, start, seq = q[L.L_OWNER_PID // 8], q[L.L_OWNER_START // 8], q[L.L_SEQ // 8]
             if owner:

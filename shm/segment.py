@@ -8,6 +8,7 @@ import hashlib
 import mmap
 import os
 import struct
+import threading
 import time
 import zlib
 from bisect import bisect_left
@@ -149,6 +150,8 @@ class Segment:
         self._lock: Any = None
         self._clock = time.time_ns
         self._getpid = os.getpid
+        self._proc_start = proc_start
+        self._series_mutex = threading.Lock()  # threads of one process share the decoded series list
         self._rings: dict[int, Ring] = {}
         # generations [Generations]
         gen_off = g.region("generations")[0]
@@ -259,6 +262,7 @@ class Segment:
         seg = cls("(buffer)", buf, g)
         seg._clock = lambda: now_ns
         seg._getpid = lambda: pid
+        seg._proc_start = lambda _pid: 0
         _write_header(seg._q, buf, g, pid, 0, now_ns)
         seg._q[0] = L.MAGIC | L.MAJOR << 32 | L.MINOR << 48
         seg._lock = _BufferLock(seg._q, pid, seg._clock)
@@ -466,6 +470,10 @@ class Segment:
 
     def _sync_series(self) -> None:
         """Decode series entries other processes published since we last looked (S2)."""
+        with self._series_mutex:
+            self._sync_series_locked()
+
+    def _sync_series_locked(self) -> None:
         count = self._q[L.H_SERIES_COUNT // 8]
         fence()
         mm = self._mm
@@ -521,7 +529,7 @@ class Segment:
         return self._cells_base + slot * self.geometry.cells_per_slot + cell
 
     def counter_add(self, slot: int, name: str, labels: tuple = (), value: float = 1) -> None:
-        """N1: only slot's process writes its cells; f64 so rates and seconds fit as well as counts (exact < 2^53)."""
+        """N1: only slot's process writes its cells, from one thread at a time (a load and a store, not an RMW)."""
         i = self._cell(slot, L.KIND_COUNTER, name, labels)
         self._d[i] += value
 
@@ -590,7 +598,9 @@ class Segment:
         seq += seq & 1  # a predecessor that died mid-claim left it odd
         q[b] = seq + 1  # odd while the fields change
         fence()
-        q[b + L.SM_PID // 8] = self._getpid() if pid is None else pid
+        pid = self._getpid() if pid is None else pid
+        q[b + L.SM_PID // 8] = pid
+        q[b + L.SM_PROC_START // 8] = self._proc_start(pid)
         q[b + L.SM_ROLE // 8] = L.ROLES[role]
         q[b + L.SM_STARTED_AT_NS // 8] = now
         q[b + L.SM_HEARTBEAT_NS // 8] = now
@@ -620,15 +630,15 @@ class Segment:
             if s1 & 1:
                 continue
             fence()
-            pid, role, started = q[b + 1], q[b + 2], q[b + 3]
+            pid, role, started, start = q[b + 1], q[b + 2], q[b + 3], q[b + 6]
             fence()
             if q[b] == s1:
                 break
         else:
-            pid, role, started = 0, 0, 0
+            pid, role, started, start = 0, 0, 0, 0
         return {"slot": slot, "pid": pid, "role": L.ROLE_NAMES.get(role, "?"), "started_at_ns": started,
                 "heartbeat_ns": q[b + 4], "heartbeat_value": q[b + 5],
-                "alive": bool(pid) and owner_alive(pid, 0)}
+                "alive": bool(pid) and owner_alive(pid, start)}
 
     # ---- introspection (STYLE 12) ---------------------------------------------------------------------------
 

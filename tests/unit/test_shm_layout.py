@@ -198,7 +198,7 @@ def test_slot_metadata_M1_M2():
     s1 = struct.unpack_from("<8Q", SEG, off + 64)
     assert s0[:6] == (2, 4242, 1, 1_700_000_000_000_000_000, 1_700_000_000_000_000_000, 0)
     assert s1[:6] == (2, 4243, 2, 1_700_000_000_000_000_000, 1_700_000_000_000_000_000, 16)
-    assert s0[6:] == s1[6:] == (0, 0)
+    assert s0[6:] == s1[6:] == (0, 0)  # proc_start (0 in vectors: a fixed pid) and the reserved word
 
 
 def _ring(buf: bytes, slot: int) -> tuple[int, int, int, int]:
