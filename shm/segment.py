@@ -379,14 +379,16 @@ class Segment:
         seq = q[base // 8]
         if not seq & 1:
             return False
-        if I[(base + L.CS_KEY_LEN) // 4]:
-            q[L.H_CACHE_USED // 8] -= 1
         I[(base + L.CS_KEY_LEN) // 4] = 0
         I[(base + L.CS_VALUE_LEN) // 4] = 0
         I[(base + L.CS_KEY_CRC) // 4] = 0
         fence()
         q[base // 8] = seq + 1
         I[self._tags_i + (base - self._cache_off) // self._cache_slot_size] = 0
+        # rare path: recount rather than guess whether the dead writer had already counted this slot
+        first = self._cache_off // 4 + _KEY_LEN_I
+        step = self._cache_slot_size // 4
+        q[L.H_CACHE_USED // 8] = sum(1 for j in range(self.geometry.cache_slot_count) if I[first + j * step])
         q[L.H_CACHE_REPAIRS // 8] += 1
         return True
 
@@ -420,10 +422,10 @@ class Segment:
                 stamp = q[(base + L.CS_STAMP) // 8]
                 if stamp < oldest_stamp:
                     oldest, oldest_stamp = slot, stamp
+            filling = False
             if target < 0:
                 if empty >= 0:
-                    target = empty
-                    q[L.H_CACHE_USED // 8] += 1
+                    target, filling = empty, True
                 else:
                     target = oldest
                     q[L.H_CACHE_EVICTIONS // 8] += 1
@@ -442,6 +444,8 @@ class Segment:
             I[self._tags_i + target] = crc  # C5: the hint follows the published slot
             q[L.L_DIRTY_CACHE_SLOT // 8] = 0
             q[L.H_CACHE_PUTS // 8] = puts
+            if filling:
+                q[L.H_CACHE_USED // 8] += 1
         return True
 
     def cache_stats(self) -> dict[str, int]:

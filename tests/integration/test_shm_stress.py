@@ -155,5 +155,7 @@ def test_sigkill_mid_cache_write_leaves_segment_usable(name):
         assert st["lock"]["dirty_cache_slot"] == 0
         assert st["cache"]["repairs"] <= st["lock"]["takeovers"]
         assert seg.cache_get(b"after-kill") == b"ok"
+        present = sum(seg.cache_get(k) is not None for k, _v in values) + 1
+        assert st["cache"]["used"] == present  # occupancy stays exact through repairs (K4)
     finally:
         seg.close()
