@@ -159,3 +159,44 @@ def test_sigkill_mid_cache_write_leaves_segment_usable(name):
         assert st["cache"]["used"] == present  # occupancy stays exact through repairs (K4)
     finally:
         seg.close()
+
+
+PATTERNS = (0, 0xFFFFFFFFFFFFFFFF, 0x00000000FFFFFFFF, 0xFFFFFFFF00000000)
+
+
+def _flip_words(shm_name, deadline):
+    import mmap
+    m = posix_ipc.SharedMemory(shm_name)
+    mm = mmap.mmap(m.fd, 4096)
+    m.close_fd()
+    q, d = memoryview(mm).cast("Q"), memoryview(mm).cast("d")
+    i = 0
+    while time.time() < deadline:
+        for _ in range(1000):
+            q[8] = PATTERNS[i & 3]  # the same store shm uses for u64 fields
+            d[16] = -1.5 if i & 1 else 3.0e300  # and for f64 counter cells
+            i += 1
+
+
+def test_memoryview_u64_f64_stores_are_single_copy_atomic(name):
+    """[Memory ordering], Python: memoryview.cast('Q'/'d') item get/set never shows half of a store."""
+    import mmap
+    m = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, size=4096)
+    mm = mmap.mmap(m.fd, 4096)
+    m.close_fd()
+    q, d = memoryview(mm).cast("Q"), memoryview(mm).cast("d")
+    p = FORK.Process(target=_flip_words, args=(name, time.time() + 1.5))
+    p.start()
+    seen_q, seen_d, reads = set(), set(), 0
+    while p.is_alive():
+        for _ in range(1000):
+            seen_q.add(q[8])
+            seen_d.add(d[16])
+            reads += 1
+    p.join(5)
+    q.release()
+    d.release()
+    mm.close()
+    assert seen_q <= set(PATTERNS), f"torn u64: {sorted(seen_q - set(PATTERNS))[:4]}"
+    assert seen_d <= {0.0, -1.5, 3.0e300}, f"torn f64: {sorted(seen_d)[:4]}"
+    assert len(seen_q) == 4 and reads > 10000  # it really raced
