@@ -374,7 +374,7 @@ class Lineage:
         if colnames:
             return _Source(alias, [(n, args_lin) for n in colnames], any_lineage=args_lin)
         fname = func_name(func) if isinstance(func, exp.Func) else ""
-        single = {"generate_series": None, "explodinggenerateseries": None, "generateseries": None,
+        single = {"generate_series": None, "exploding_generate_series": None, "generateseries": None,
                   "unnest": None, "generate_subscripts": None, "numbers": "number", "numbers_mt": "number",
                   "zeros": "zero", "zeros_mt": "zero", "string_to_table": None, "regexp_split_to_table": None,
                   "json_array_elements": None, "jsonb_array_elements": None, "json_array_elements_text": None,
