@@ -25,9 +25,9 @@ def instance_name(cfg) -> str:
     """Two `qag serve` on one host never share a segment: the name derives from QAG_HOME and the bind."""
     try:
         import shm
-        return shm.segment_name(f"{cfg.home}|{cfg.bind}")
+        return shm.segment_name(f"{cfg.home}|{getattr(cfg, 'public_bind', cfg.bind)}")
     except (ImportError, AttributeError):
-        return "/qag-" + hashlib.sha256(f"{cfg.home}|{cfg.bind}".encode()).hexdigest()[:16]
+        return "/qag-" + hashlib.sha256(f"{cfg.home}|{getattr(cfg, 'public_bind', cfg.bind)}".encode()).hexdigest()[:16]
 
 
 def run_store_url(cfg) -> str:
@@ -44,13 +44,70 @@ def slot_count(workers: int) -> int:
     return max(8, workers + 4)
 
 
+def plane_binary() -> str | None:
+    """QAG_PLANE_BIN, else `qag-plane` on PATH, else the crate's release build next to the package."""
+    import shutil
+    env = os.environ.get("QAG_PLANE_BIN")
+    if env:
+        return env
+    found = shutil.which("qag-plane")
+    if found:
+        return found
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "rustplane", "target",
+                        "release", "qag-plane")
+    return here if os.path.exists(here) else None
+
+
+class Child:
+    """A supervised child process: restarted with backoff (0.2 s doubling to 10 s; reset after 30 s alive)."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict | None = None):
+        self.name = name
+        self.cmd = cmd
+        self.env = env or dict(os.environ)
+        self.proc: subprocess.Popen | None = None
+        self.started = 0.0
+        self.backoff = 0.2
+        self.restarts = 0
+        self.next_start = 0.0
+
+    def spawn(self) -> None:
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdin=subprocess.DEVNULL)
+        self.started = time.monotonic()
+
+    def check(self) -> None:
+        proc = self.proc
+        if proc is None or proc.poll() is None:
+            return
+        now = time.monotonic()
+        if self.next_start == 0.0:
+            if now - self.started > 30:
+                self.backoff = 0.2
+            log.warning("%s exited (code %s); restarting in %.1f s", self.name, proc.returncode, self.backoff)
+            self.next_start = now + self.backoff
+            self.backoff = min(self.backoff * 2, 10.0)
+        elif now >= self.next_start:
+            self.next_start = 0.0
+            self.restarts += 1
+            self.spawn()
+
+    def stop(self, timeout: float = 15) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
 class ArbiterHooks:
-    def __init__(self, cfg, workers: int = 1):
+    def __init__(self, cfg, workers: int = 1, plane: dict | None = None):
         self.cfg = cfg
         self.workers = workers
+        self.plane = plane  # {"listen", "upstream", "threads", "cpus", "mask_key"} when --plane
         self.segment = None
         self.segment_name: str | None = None
-        self.recorder: subprocess.Popen | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
@@ -68,35 +125,43 @@ class ArbiterHooks:
         st = open_store(run_store_url(self.cfg))
         st.ensure_schema()
         st.close()
-        self._spawn_recorder()
+        self.children = [Child("the recorder", [sys.executable, "-m", "qag.recorder", "--segment", self.segment_name,
+                                                "--store", run_store_url(self.cfg), "--slot", str(self.recorder_slot)])]
+        if self.plane is not None:
+            self.children.append(self._plane_child())
+        for c in self.children:
+            c.spawn()
         self._thread = threading.Thread(target=self._supervise, name="qag-supervisor", daemon=True)
         self._thread.start()
         return self.segment_name
 
-    def _spawn_recorder(self) -> None:
-        cmd = [sys.executable, "-m", "qag.recorder", "--segment", self.segment_name, "--store",
-               run_store_url(self.cfg), "--slot", str(self.recorder_slot)]
-        self.recorder = subprocess.Popen(cmd, env=dict(os.environ), stdin=subprocess.DEVNULL)
-        self.recorder_started = time.monotonic()
+    @property
+    def recorder(self):
+        return self.children[0].proc if getattr(self, "children", None) else None
+
+    def _plane_child(self) -> Child:
+        p = self.plane
+        secret_dir = os.path.join(self.cfg.home, "plane")
+        os.makedirs(secret_dir, mode=0o700, exist_ok=True)
+        key_file = os.path.join(secret_dir, "mask.key")
+        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, p["mask_key"])
+        finally:
+            os.close(fd)
+        cmd = [p["binary"], "--listen", p["listen"], "--upstream", p["upstream"], "--segment", self.segment_name,
+               "--slot", str(self.plane_slot), "--threads", str(p["threads"]), "--home", self.cfg.home]
+        if p.get("cpus"):
+            cmd += ["--pin-cpus", ",".join(str(c) for c in p["cpus"])]
+        env = dict(os.environ, QAG_MASK_KEY_FILE=key_file)
+        env.pop("QAG_MASK_KEY", None)
+        return Child("the data plane", cmd, env)
 
     def _supervise(self) -> None:
-        """Restart the recorder with backoff (0.2 s doubling to 10 s; reset after 30 s alive)."""
-        backoff = 0.2
         while not self._stop.wait(0.2):
-            proc = self.recorder
-            if proc is None or proc.poll() is None:
-                continue
-            if self._stop.is_set():
-                return
-            alive_for = time.monotonic() - self.recorder_started
-            if alive_for > 30:
-                backoff = 0.2
-            log.warning("the recorder exited (code %s); restarting in %.1f s", proc.returncode, backoff)
-            if self._stop.wait(backoff):
-                return
-            backoff = min(backoff * 2, 10.0)
-            self.recorder_restarts += 1
-            self._spawn_recorder()
+            for c in self.children:
+                if not self._stop.is_set():
+                    c.check()
 
     def ready(self, server) -> None:
         pass
@@ -108,13 +173,9 @@ class ArbiterHooks:
         if os.getpid() != self._pid:
             return  # a forked worker inherits this object; only the arbiter stops things
         self._stop.set()
-        proc, self.recorder = self.recorder, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()  # the recorder drains the rings and commits before it exits
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        # the plane first (no new runs), then the recorder, which drains the rings and commits before it exits
+        for c in reversed(getattr(self, "children", [])):
+            c.stop()
         seg, self.segment = self.segment, None
         if seg is not None:
             try:

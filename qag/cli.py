@@ -30,7 +30,7 @@ def cmd_serve(args) -> int:
     if args.threads:
         over["threads"] = args.threads
     cfg = _cfg(args, **over)
-    return serve.run(cfg, pin=not args.no_pin)
+    return serve.run(cfg, pin=not args.no_pin, plane=args.plane, plane_threads=args.plane_threads)
 
 
 def cmd_demo(args) -> int:
@@ -119,6 +119,9 @@ def main(argv=None) -> int:
     s.add_argument("--workers", help="auto (one per physical core) or a number (default QAG_WORKERS)")
     s.add_argument("--threads", type=int, help="threads per worker (default QAG_THREADS)")
     s.add_argument("--no-pin", action="store_true", help="do not pin workers to CPUs")
+    s.add_argument("--plane", action="store_true",
+                   help="put the Rust data plane (qag-plane) on the public address, gunicorn on a unix socket")
+    s.add_argument("--plane-threads", type=int, default=None, help="data plane threads (default: physical cores)")
     s.set_defaults(fn=cmd_serve)
     d = sub.add_parser("demo", help="example SQLite data, a connection, queries and a key; then serve")
     d.add_argument("--bind", default=None)

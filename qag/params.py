@@ -108,6 +108,22 @@ def compile_sql(sql: str, dialect: str) -> tuple[str, tuple[str, ...]]:
     return "".join(parts), tuple(names)
 
 
+def compile_native(sql: str, dialect: str) -> tuple[str, tuple[str, ...]]:
+    """The statement with the database's own markers ($1..$n for PostgreSQL, ? elsewhere), one per
+    occurrence, for the Rust plane's drivers (no % doubling: these drivers never format text)."""
+    markers = scan_markers(sql, dialect)
+    parts: list[str] = []
+    names: list[str] = []
+    pos = 0
+    for i, (start, end, name) in enumerate(markers, 1):
+        parts.append(sql[pos:start])
+        parts.append(f"${i}" if dialect == "postgres" else "?")
+        names.append(name)
+        pos = end
+    parts.append(sql[pos:])
+    return "".join(parts), tuple(names)
+
+
 def neutralize(sql: str, dialect: str) -> str:
     """The SQL with every marker replaced by NULL, for statement analysis."""
     markers = scan_markers(sql, dialect)

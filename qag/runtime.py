@@ -70,6 +70,7 @@ class Runtime:
         self._rate: dict[str, list] = {}
         self.plan_hits = 0
         self.plan_misses = 0
+        self.publisher = None  # qag.publish.Publisher when a segment is attached
 
     # -- changes -------------------------------------------------------------------------------
     def changed(self, kind: str, ident: str) -> None:
@@ -112,6 +113,8 @@ class Runtime:
             if row is None:
                 raise ApiError(401, "unauthorized", UNAUTHORIZED)
             self._keys[h] = (row["name"], gen, row, via_prev)
+            if self.publisher is not None:
+                self.publisher.key(h, row, via_prev, gen)
         return self._check_key(row, via_prev, client_ip, gen)
 
     def _check_key(self, row: dict, via_prev: bool, client_ip: str | None, gen: int) -> Principal:
@@ -186,6 +189,8 @@ class Runtime:
                 connector = cached[2]  # keep the pool when nothing about the connection changed
             else:
                 connector = connectors.make(row, self.store.connection_password(row), self.cfg)
+            if self.publisher is not None and gens is not None:
+                self.publisher.connection(row, connector.password, g)
         if cached is not None and cached[2] is not None and cached[2] is not connector:
             cached[2].close()
         self._conns[name] = (g, row, connector)
@@ -242,6 +247,8 @@ class Runtime:
             if len(self._plans) > 10000:
                 self._plans.clear()
             self._plans[pkey] = p
+            if self.publisher is not None:
+                self.publisher.plan(p, plan_mod.strip_sql(vrow["sql"]))
         return p, crow, connector
 
     @property

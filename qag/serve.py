@@ -134,7 +134,7 @@ class QagGunicorn(BaseApplication):
                                 plane_slot=getattr(self.arbiter_hooks, "plane_slot", None))
 
 
-def run(cfg, *, pin: bool = True) -> int:
+def run(cfg, *, pin: bool = True, plane: bool = False, plane_threads: int | None = None) -> int:
     """Start the arbiter in this process (returns when it stops)."""
     from qag.store import Store, StoreUnavailable
     store = Store(home=cfg.home, database_url=cfg.database_url, secret_key=cfg.secret_key)
@@ -146,12 +146,29 @@ def run(cfg, *, pin: bool = True) -> int:
     except Exception as exc:  # e.g. a corrupt SQLite file, a PostgreSQL permission error
         print(f"qag: cannot start: the metadata store failed to open: {exc}", file=sys.stderr)
         return EXIT_STORE
-    finally:
-        store.close()
+    plane_opts = None
+    if plane:
+        from qag import arbiter as _arb
+        binary = _arb.plane_binary()
+        if binary is None:
+            print("qag: cannot start: --plane needs the qag-plane binary (cargo build --release in rustplane/, "
+                  "or set QAG_PLANE_BIN)", file=sys.stderr)
+            store.close()
+            return EXIT_CONFIG
+        import secrets as _secrets
+        mask_key = (cfg.mask_key.encode() if cfg.mask_key else
+                    store.kv_get_or_set("mask_key", lambda: _secrets.token_hex(32)).encode())
+        upstream = "unix:" + os.path.join(cfg.home, "gunicorn.sock")
+        plane_opts = {"binary": binary, "listen": cfg.bind, "upstream": upstream, "mask_key": mask_key,
+                      "threads": plane_threads or len(physical_cores()),
+                      "cpus": [c[0] for c in physical_cores()] if pin and cfg.pin else None}
+        cfg.__dict__["public_bind"] = cfg.bind
+        cfg.__dict__["bind"] = upstream
+    store.close()
     cpu_plan = plan_workers(cfg.workers)
     workers = len(cpu_plan)
     from qag import arbiter
-    hooks = arbiter.ArbiterHooks(cfg, workers)
+    hooks = arbiter.ArbiterHooks(cfg, workers, plane_opts)
     segment_name = hooks.start()
     import gunicorn.util
 

@@ -40,6 +40,8 @@ def build_worker_app(cfg, *, slot: int, segment_name: str | None, plane_slot: in
     observer = Observer(backend=segment, slot=slot)
     store.observer = observer
     runtime = Runtime(cfg, store, segment, slot=slot)
+    from qag.publish import Publisher
+    runtime.publisher = Publisher(segment, cfg)
     recorder = RingRecorder(segment, slot, cfg.record_wait_ms, observer)
     app = QagApp(cfg, runtime, observer=observer, recorder=recorder, segment=segment)
     from qag.arbiter import run_store_url

@@ -118,3 +118,10 @@ def test_undeclared_marker_is_required_string():
 def test_default_makes_optional():
     assert P.normalize_specs({"a": {"type": "int", "default": "5"}}, "SELECT :a", "postgres") == \
         {"a": {"type": "int", "default": 5, "required": False}}
+
+
+def test_compile_native_for_the_plane():
+    sql = "SELECT a FROM t WHERE a BETWEEN :start AND :start + 99 AND b LIKE 'x%' AND c = :c"
+    assert P.compile_native(sql, "postgres") == (
+        "SELECT a FROM t WHERE a BETWEEN $1 AND $2 + 99 AND b LIKE 'x%' AND c = $3", ("start", "start", "c"))
+    assert P.compile_native(sql, "mysql")[0] == "SELECT a FROM t WHERE a BETWEEN ? AND ? + 99 AND b LIKE 'x%' AND c = ?"

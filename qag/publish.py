@@ -1,0 +1,101 @@
+"""Publishing metadata and plans into the segment's shared cache (msgpack maps), for other workers and the
+Rust data plane. The entry formats are normative for both readers (see shm/LAYOUT.md, "Cache entries"):
+
+- `k:<sha256 hex of secret>` → key entry   (valid while gen == seg.gen("key", name))
+- `p:<key name>\\0<query name>` → plan entry (valid while gens == [key, query, connection] generations)
+- `c:<connection name>` → connection entry  (valid while gen == seg.gen("connection", name));
+  the password never enters the segment: it is in `<QAG_HOME>/plane/conn-<name>.secret` (mode 0600).
+
+Every entry carries the generations it was built from; a reader ignores an entry whose generations
+differ from the current ones, so a stale entry can cost a rebuild, never a wrong answer.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import msgpack
+
+from qag import params as P, timeutil
+
+_pack = msgpack.Packer(use_bin_type=True, autoreset=True).pack
+
+
+def _us(text: str | None) -> int | None:
+    if not text:
+        return None
+    d = timeutil.parse(text)
+    return int(d.timestamp() * 1_000_000)
+
+
+def key_entry(row: dict, via_prev: bool, gen: int) -> dict:
+    g = row["grants"]
+    return {"name": row["name"], "active": bool(row["active"]), "expires_at_us": _us(row["expires_at"]),
+            "allowed_ips": g.get("allowed_ips") or None, "prev": via_prev,
+            "prev_until_us": _us(row.get("prev_valid_until")), "gen": gen, "rate_limit": g.get("rate_limit"),
+            "row": {k: row[k] for k in ("name", "active", "expires_at", "prev_valid_until", "grants")}}
+
+
+def plan_entry(plan, cfg, sql_text: str) -> dict:
+    return {"query": plan.query, "version": plan.version, "connection": plan.connection, "dialect": plan.dialect,
+            "sql_native": P.compile_native(sql_text, plan.dialect)[0], "sql_driver": plan.sql,
+            "arg_names": list(plan.arg_names),
+            "specs": [_spec(s) for s in plan.specs],
+            "transforms": list(plan.transforms) if plan.transforms is not None else None,
+            "page_mode": plan.page_mode, "is_write": bool(plan.is_write), "write_ops": sorted(plan.write_ops),
+            "tables": sorted(plan.tables), "gens": list(plan.gens), "cache_ttl": plan.cache_ttl,
+            "default_page_size": cfg.default_page_size, "max_page_size": cfg.max_page_size,
+            "query_timeout": cfg.query_timeout}
+
+
+def _spec(s) -> dict:
+    return {"name": s.name, "type": s.type, "required": bool(s.required), "has_default": bool(s.has_default),
+            "default": s.default, "enum": s.enum, "min": s.min, "max": s.max, "min_length": s.min_length,
+            "max_length": s.max_length, "pattern": s.pattern}
+
+
+def connection_entry(row: dict, gen: int) -> dict:
+    return {"db": row["db"], "host": row["host"], "port": row["port"], "user": row["user"],
+            "database": row["database"], "options": row["options"] or {}, "active": bool(row["active"]), "gen": gen}
+
+
+def plan_cache_key(key_name: str, query: str) -> bytes:
+    return b"p:" + key_name.encode() + b"\x00" + query.encode()
+
+
+class Publisher:
+    """Writes entries on a cache miss (never on the hot path of a warm call)."""
+
+    def __init__(self, segment, cfg):
+        self.seg = segment
+        self.cfg = cfg
+        self.secret_dir = os.path.join(cfg.home, "plane")
+
+    def key(self, key_hash: str, row: dict, via_prev: bool, gen: int) -> None:
+        self.seg.cache_put(b"k:" + key_hash.encode(), _pack(key_entry(row, via_prev, gen)))
+
+    def plan(self, plan, sql_text: str) -> None:
+        if plan.key_name is None:
+            return  # administrators' calls are always served by Python
+        self.seg.cache_put(plan_cache_key(plan.key_name, plan.query), _pack(plan_entry(plan, self.cfg, sql_text)))
+
+    def connection(self, row: dict, password: str | None, gen: int) -> None:
+        os.makedirs(self.secret_dir, mode=0o700, exist_ok=True)
+        path = os.path.join(self.secret_dir, f"conn-{row['name']}.secret")
+        fd, tmp = tempfile.mkstemp(dir=self.secret_dir)
+        try:
+            os.fchmod(fd, 0o600)
+            os.write(fd, (password or "").encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        self.seg.cache_put(b"c:" + row["name"].encode(), _pack(connection_entry(row, gen)))
+
+    def get(self, cache_key: bytes) -> dict | None:
+        raw = self.seg.cache_get(cache_key)
+        if raw is None:
+            return None
+        try:
+            return msgpack.unpackb(raw, raw=False)
+        except Exception:
+            return None
