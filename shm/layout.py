@@ -22,6 +22,7 @@ DEFAULT_SIZE = 64 * 1024 * 1024
 MIN_SIZE = 1024 * 1024
 SMALL_PROFILE_BELOW = 16 * 1024 * 1024
 MAX_SLOTS = 256
+MAX_RING_CAPACITY = 64 * 1024 * 1024  # beyond this a ring only delays back-pressure; the rest goes to the cache
 
 HEADER_SIZE = PAGE
 
@@ -173,7 +174,7 @@ def geometry(size: int | None = None, slots: int = 16, cache_slot_size: int = CA
         regions.append((off, region_size))
         off += region_size
     remaining = size - off
-    per_ring = remaining // 2 // slots - RING_HEADER_SIZE
+    per_ring = min(remaining // 2 // slots - RING_HEADER_SIZE, MAX_RING_CAPACITY)
     ring_capacity = 1 << (per_ring.bit_length() - 1) if per_ring > 0 else 0
     if ring_capacity < PAGE:
         raise ValueError(f"segment size {size} too small for {slots} slots (ring capacity {ring_capacity})")
