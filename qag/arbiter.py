@@ -127,6 +127,8 @@ class ArbiterHooks:
         st.close()
         self.children = [Child("the recorder", [sys.executable, "-m", "qag.recorder", "--segment", self.segment_name,
                                                 "--store", run_store_url(self.cfg), "--slot", str(self.recorder_slot)])]
+        self.children.append(Child("the change watcher", [sys.executable, "-m", "qag.changes", "--segment",
+                                                          self.segment_name]))
         if self.plane is not None:
             self.children.append(self._plane_child())
         for c in self.children:

@@ -245,6 +245,15 @@ class Store:
         cur.execute("INSERT INTO qag_audit (at, actor, action, entity, name, before, after) VALUES (?,?,?,?,?,?,?)",
                     (timeutil.now_text(), actor, action, entity, name,
                      _dumps(_redact_row(before, after, "before")), _dumps(_redact_row(before, after, "after"))))
+        if self.is_pg:  # other hosts on this store hear of it at commit (qag/changes.py)
+            cur.execute("SELECT pg_notify('qag_changes', ?)", (f"{entity}:{name}",))
+
+    def changes_since(self, after_id: int, limit: int = 1000) -> list[tuple[int, str, str]]:
+        """(id, entity, name) of audited changes with id > after_id, oldest first."""
+        def q(cur):
+            cur.execute("SELECT id, entity, name FROM qag_audit WHERE id > ? ORDER BY id LIMIT ?", (after_id, limit))
+            return [tuple(r) for r in cur.fetchall()]
+        return self.run(q)
 
     def list_audit(self, limit: int = 100) -> list[dict]:
         def q(cur):

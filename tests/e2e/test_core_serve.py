@@ -286,3 +286,29 @@ def test_store_on_postgresql_and_admin_cli(pgbench_dsn):
     assert [a[1:] for a in audit[:3]] == [("create", "connection", "oltp"), ("create", "query", "account"),
                                           ("create", "api_key", "bench")]
     srv.stop()
+
+
+def test_two_hosts_on_one_postgresql_store_agree(pgbench_dsn):
+    """A revocation made through host A stops the key on host B within the store's notification delay;
+    a change made by the CLI (not through any host) reaches both by the audit-log fallback."""
+    store_dsn = pg_fresh_db("qag_core_store2")
+    a = start_server({"QAG_DATABASE_URL": store_dsn, "QAG_ADMIN_KEY": "shared-admin"})
+    b = start_server({"QAG_DATABASE_URL": store_dsn, "QAG_ADMIN_KEY": "shared-admin"})
+    try:
+        key = setup(a)
+        sb = requests.Session()
+        for _ in range(20):  # warm B's caches: from here on B reads nothing from the store
+            assert sb.get(b.base + "/q/account?aid=2", headers={"X-API-Key": key}).status_code == 200
+        r = requests.patch(a.base + "/api/v1/api-keys/bench", headers={**a.admin, **J},
+                           data=json.dumps({"active": False}))
+        assert r.status_code == 200
+        t0 = time.monotonic()
+        while sb.get(b.base + "/q/account?aid=2", headers={"X-API-Key": key}).status_code == 200:
+            assert time.monotonic() - t0 < 2.0, "host B still serves the revoked key"
+        elapsed = time.monotonic() - t0
+        for _ in range(100):
+            assert sb.get(b.base + "/q/account?aid=2", headers={"X-API-Key": key}).status_code == 401
+        assert elapsed < 2.0
+    finally:
+        a.stop()
+        b.stop()
