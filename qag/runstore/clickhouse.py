@@ -5,8 +5,8 @@ per-minute usage and the recorder's positions from it. Exactly once without tran
   keeps a deduplication window, with `deduplicate_blocks_in_dependent_materialized_views = 1`;
 - so a write retried after an error, or the last batch replayed from `qag_events` after a crash
   (`recover()`: it may be in events while a view missed it), lands in each table exactly once;
-- the positions a batch consumed travel in its rows (src, slot, pos): they are durable exactly when
-  the runs are.
+- the positions a batch consumed travel in its rows (src, slot, pos = the furthest position the
+  insert covers in that slot): they are durable exactly when the runs are.
 
 Event ids are minted here, by the single recorder, and a batch never spans two days (one insert =
 one partition = one part), so a batch is in `qag_events` whole or not at all.
@@ -225,19 +225,26 @@ class ClickHouseRunStore:
             if lo >= hi:
                 continue
             bfirst = first + lo
-            inserts.append((bfirst, self._body(source, bfirst, good[lo:hi])))
+            # Every row of a slot carries the furthest position its insert covers; the batch's last
+            # insert covers the batch's furthest, so skipped records after the last good one count too.
+            upto = positions if hi == n else None
+            inserts.append((bfirst, self._body(source, bfirst, good[lo:hi], upto)))
         return CHBatch(source, inserts, positions, bad, first, last, n)
 
     @staticmethod
-    def _body(source, bfirst, recs) -> bytes:
+    def _body(source, bfirst, recs, upto) -> bytes:
+        if upto is None:
+            upto = {}
+            for slot, p, _pl in recs:
+                upto[slot] = p
         const = _packb(bfirst) + _packb(source)
         rh = _ROW_HEAD
         eid = bfirst
         parts = []
         ap = parts.append
-        for slot, pos, payload in recs:
+        for slot, _pos, payload in recs:
             ap(const)
-            ap(rh(0xCF, eid, 0xCD, slot, 0xCF, pos))
+            ap(rh(0xCF, eid, 0xCD, slot, 0xCF, upto[slot]))
             ap(payload[1:])
             eid += 1
         return b"".join(parts)
