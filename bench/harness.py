@@ -172,10 +172,11 @@ def find_oha(explicit=None):
 
 
 def regex_escape_base(url):
-    """The literal part of a URL as a regex for oha --rand-regex-url (dots and '?' matter)."""
+    """The literal part of a URL as a regex for oha --rand-regex-url. oha escapes every '.' itself (so a dot is
+    always literal, never escaped here); the other regex characters are escaped."""
     out = []
     for ch in url:
-        out.append('\\' + ch if ch in '.?+*()[]{}|^$\\' else ch)
+        out.append('\\' + ch if ch in '?+*()[]{}|^$\\' else ch)
     return ''.join(out)
 
 
@@ -183,7 +184,10 @@ def run_oha(oha, url_regex, *, duration, conns, headers=None, rate=None, load_cp
     """One oha run. Closed loop without rate; open loop (latency corrected) with rate. Returns a dict of
     throughput, status codes, latency percentiles (ms), and the load generator's own CPU seconds."""
     cmd = taskset_prefix(load_cpus) + [
-        oha, '--no-tui', '--json', '-z', f'{duration}s', '-c', str(conns), '-m', method, '--rand-regex-url']
+        oha, '--no-tui', '--output-format', 'json', '-z', f'{duration}s', '-c', str(conns), '-m', method,
+        '--rand-regex-url',
+        # oha's tokio runtime defaults to one thread per physical core of the machine, not of its taskset
+        '--worker-threads', str(max(1, len(load_cpus or []) or os.cpu_count()))]
     if rate:
         cmd += ['-q', str(rate), '--latency-correction']
     for k, v in (headers or {}).items():
