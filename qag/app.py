@@ -136,6 +136,21 @@ class DataResource:
                             app.cfg.max_param_bytes)
             args = plan.bind_args(values)
             t = _lap(stages, "bind", t)
+            cache_key = None
+            if plan.cache_ttl and not plan.is_write and not opts.stream:
+                cache_key = (principal.name, plan.query, plan.version, plan.gens, args, opts.page, opts.page_size,
+                             opts.format)
+                hit = app.result_cache.get(cache_key)
+                if hit is not None and hit[0] > time.monotonic():
+                    _, body, headers, nrows = hit
+                    for hk, hv in headers:
+                        resp.set_header(hk, hv)
+                    resp.set_header("X-Cache", "hit")
+                    resp.content_type = render.FORMATS[opts.format]
+                    resp.data = body
+                    run["rows"], run["bytes"] = nrows, len(body)
+                    app.finish(req, run, 200, None, t0, None, plan_hit)
+                    return
             if opts.stream:
                 if plan.is_write:
                     raise ApiError(400, "invalid_stream", "A write cannot be streamed; call it without stream.")
@@ -174,6 +189,8 @@ class DataResource:
                     resp.set_header("X-Row-Count", str(nrows))
                     resp.set_header("X-Has-More", "true" if has_more else "false")
             t = _lap(stages, "render", t)
+            if cache_key is not None:
+                app.cache_result(cache_key, plan.cache_ttl, body, nrows, resp)
             resp.content_type = render.FORMATS[opts.format]
             resp.data = body
             run["rows"], run["bytes"] = nrows, len(body)
@@ -315,6 +332,7 @@ class QagApp:
         self.recorder = recorder  # callable(run: dict) or None
         self.segment = segment
         self.run_store_url: str | None = None
+        self.result_cache: dict = {}
         self._run_store = None
         self._apply = None
         self.falcon = falcon.App(middleware=[RequestIdMiddleware(self)])
@@ -333,6 +351,17 @@ class QagApp:
 
     def __call__(self, environ, start_response):
         return self.falcon(environ, start_response)
+
+    def cache_result(self, key, ttl: int, body: bytes, nrows: int, resp) -> None:
+        """A saved query's cache_ttl: repeat calls within ttl seconds are answered without the database."""
+        if len(self.result_cache) >= 4096:
+            now = time.monotonic()
+            self.result_cache = {k: v for k, v in self.result_cache.items() if v[0] > now}
+            if len(self.result_cache) >= 4096:
+                self.result_cache.clear()
+        headers = [(h, resp.get_header(h)) for h in ("X-Page", "X-Page-Size", "X-Row-Count", "X-Has-More")
+                   if resp.get_header(h) is not None]
+        self.result_cache[key] = (time.monotonic() + ttl, body, headers, nrows)
 
     def run_store(self):
         """The run store, opened on first use by this worker (reads only: the recorder writes)."""

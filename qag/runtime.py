@@ -132,22 +132,30 @@ class Runtime:
         return Principal(False, row["name"], row, gen)
 
     def check_rate(self, principal: Principal) -> None:
-        """Per-key `N/period` limit (fixed window, per worker process)."""
-        spec = principal.key["grants"].get("rate_limit") if principal.key else None
-        if not spec:
+        """Per-key `rate_limit` and `quota` (both `N/period`; fixed windows aligned to the period, counted in
+        each worker process)."""
+        if principal.key is None:
             return
-        count, period = parse_rate(spec)
-        now = time.monotonic()
-        with self._lock:
-            window = self._rate.get(principal.name)
-            if window is None or now - window[0] >= period:
-                window = [now, 0]
-                self._rate[principal.name] = window
-            window[1] += 1
-            if window[1] > count:
-                retry = max(1, int(period - (now - window[0]) + 0.999))
-                raise ApiError(429, "rate_limited",
-                               f"This key may make {spec}; wait {retry} s and retry.",
+        g = principal.key["grants"]
+        for field, code, what in (("rate_limit", "rate_limited", "may make"), ("quota", "quota_exceeded",
+                                                                               "has a quota of")):
+            spec = g.get(field)
+            if not spec or not isinstance(spec, str):
+                continue
+            count, period = parse_rate(spec)
+            now = time.time()
+            start = now - (now % period)
+            with self._lock:
+                k = (field, principal.name)
+                window = self._rate.get(k)
+                if window is None or window[0] != start:
+                    window = [start, 0]
+                    self._rate[k] = window
+                window[1] += 1
+                over = window[1] > count
+            if over:
+                retry = max(1, int(start + period - now + 0.999))
+                raise ApiError(429, code, f"This key {what} {spec}; wait {retry} s and retry.",
                                {"retry_after": retry}, {"Retry-After": str(retry)})
 
     # -- metadata, cached ----------------------------------------------------------------------

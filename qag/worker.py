@@ -32,6 +32,24 @@ class RingRecorder:
         self.observer.run_recorded(self.ring.push(payload, self.wait_ms))
 
 
+def segment_gauges(segment, runtime):
+    """Gauges read at scrape time: ring occupancy and the recorder's lag for the whole instance; this
+    worker's pools (each worker reports its own, labelled by slot)."""
+    import time
+    now = time.time_ns()
+    st = segment.stat()
+    for ps in st["process_slots"]:
+        ring = ps.get("ring") or {}
+        if ring.get("used"):
+            yield "qag_ring_occupancy_bytes", (str(ps["slot"]),), ring["used"]
+        if ps.get("role") == "recorder" and ps.get("heartbeat_ns"):
+            yield "qag_recorder_lag_seconds", (), max(0.0, (now - ps["heartbeat_ns"]) / 1e9)
+    yield "qag_generation", (), segment.global_gen()
+    for name, (in_use, idle) in runtime.pool_stats().items():
+        yield "qag_pool_connections", (name, "in_use", str(runtime.slot)), in_use
+        yield "qag_pool_connections", (name, "idle", str(runtime.slot)), idle
+
+
 def build_worker_app(cfg, *, slot: int, segment_name: str | None, plane_slot: int | None = None) -> QagApp:
     store = Store(home=cfg.home, database_url=cfg.database_url, secret_key=cfg.secret_key)
     import shm
@@ -43,6 +61,7 @@ def build_worker_app(cfg, *, slot: int, segment_name: str | None, plane_slot: in
     from qag.publish import Publisher
     runtime.publisher = Publisher(segment, cfg)
     recorder = RingRecorder(segment, slot, cfg.record_wait_ms, observer)
+    observer.gauges.append(lambda: segment_gauges(segment, runtime))
     app = QagApp(cfg, runtime, observer=observer, recorder=recorder, segment=segment)
     from qag.arbiter import run_store_url
     app.run_store_url = run_store_url(cfg)

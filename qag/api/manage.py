@@ -468,8 +468,12 @@ def validate_grants(body: dict) -> dict:
         g["rate_limit"] = rl
     if "quota" in body:
         qv = body["quota"]
-        if qv is not None and not isinstance(qv, (dict, str, int)):
-            raise _type_error("quota", "an object, a string or an integer")
+        if qv is not None:
+            try:
+                parse_rate(qv)
+            except ValueError:
+                raise ApiError(400, "invalid_field", "quota must look like '10000/day' (a positive count, then "
+                               "second, minute, hour or day).", {"field": "quota"}) from None
         g["quota"] = qv
     return g
 

@@ -212,3 +212,23 @@ def test_store_lost_later_gives_503_and_recovers(tmp_path):
                 "ALTER DATABASE qag_core_lost ALLOW_CONNECTIONS true")
     assert c.simulate_get("/api/v1/queries", headers=A).status_code == 200
     app.runtime.store.close()
+
+
+def test_quota_and_cache_ttl(app_client, sqlite_db):
+    c = app_client
+    post(c, "/api/v1/connections", {"name": "lite", "db": "sqlite", "database": sqlite_db}, 201)
+    post(c, "/api/v1/queries", {"name": "n", "connection_name": "lite", "sql": "SELECT count(*) AS n FROM t",
+                                "cache_ttl": 60}, 201)
+    key = post(c, "/api/v1/api-keys", {"name": "q", "queries": ["n"], "quota": "3/day"}, 201).json["secret"]
+    h = {"X-API-Key": key}
+    first = c.simulate_get("/q/n", headers=h)
+    assert first.json == [{"n": 2}] and first.headers.get("X-Cache") is None
+    db = sqlite3.connect(sqlite_db)
+    db.execute("INSERT INTO t VALUES (3, 'cy', 'cy@z.org')")
+    db.commit()
+    second = c.simulate_get("/q/n", headers=h)
+    assert second.json == [{"n": 2}] and second.headers["X-Cache"] == "hit"  # answered without the database
+    assert c.simulate_get("/q/n", headers=h).status_code == 200
+    r = c.simulate_get("/q/n", headers=h)
+    assert r.status_code == 429 and r.json["code"] == "quota_exceeded" and int(r.headers["Retry-After"]) >= 1
+    assert post(c, "/api/v1/api-keys", {"name": "bad", "quota": "many"}).json["code"] == "invalid_field"
