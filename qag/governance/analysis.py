@@ -80,6 +80,9 @@ _UNSAFE_FUNCS = {
         query_to_xml query_to_xmlschema query_to_xml_and_xmlschema table_to_xml table_to_xmlschema
         table_to_xml_and_xmlschema cursor_to_xml cursor_to_xmlschema schema_to_xml schema_to_xmlschema
         schema_to_xml_and_xmlschema database_to_xml database_to_xmlschema database_to_xml_and_xmlschema
+        get_raw_page heap_page_items heap_page_item_attrs tuple_data_split bt_page_items bt_metap
+        bt_page_stats brin_page_items gist_page_items hash_page_items gin_leafpage_items pg_stat_statements
+        pg_get_wal_records_info pg_get_wal_block_info pg_get_wal_stats
         ts_stat pg_import_system_collations pg_stat_reset pg_stat_reset_shared pg_stat_reset_single_table_counters
         pg_stat_reset_single_function_counters pg_stat_reset_slru pg_stat_reset_replication_slot
     """.split()),
@@ -126,6 +129,12 @@ _MYSQL_EXEC_COMMENT = re.compile(r"/\*M?!", re.I)
 _MYSQL_UNPARSED_UNSAFE = re.compile(r"\binto\s+(?:outfile|dumpfile)\b|\bload\s+(?:data|xml)\b|\bload_file\s*\(",
                                     re.I)
 _CH_UNPARSED_UNSAFE = re.compile(r"\binto\s+outfile\b", re.I)
+_CH_GUARDED_SETTINGS = frozenset({"readonly", "log_queries", "log_comment", "send_timeout", "receive_timeout",
+                                  "workload", "priority", "enable_http_compression"})
+_CH_HARMLESS_SETTINGS = frozenset({"max_threads", "max_block_size", "max_final_threads", "max_insert_threads"})
+# MySQL optimizer hints that override session limits the gateway set (statement time limit, variables).
+_MYSQL_SONAME = re.compile(r"\bsoname\b", re.I)
+_MYSQL_SESSION_HINT = re.compile(r"/\*\+[^*]*\b(?:max_execution_time|set_var)\b", re.I)
 
 
 def canonical_dialect(dialect: str) -> str:
@@ -136,17 +145,21 @@ def canonical_dialect(dialect: str) -> str:
                               "use postgres, mysql, sqlite or clickhouse") from None
 
 
+ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+
+
 def normalize_identifier(ident, dialect: str) -> str:
-    """Name comparison rules: PostgreSQL folds unquoted names to lower case; MySQL/MariaDB and SQLite are
-    compared case-insensitively (as the contract asks for database.table); ClickHouse is case-sensitive."""
+    """Name comparison rules: PostgreSQL folds unquoted names to lower case (ASCII letters only, as it does
+    in UTF-8 databases); MySQL/MariaDB and SQLite are compared case-insensitively (as the contract asks for
+    database.table); ClickHouse is case-sensitive."""
     if isinstance(ident, exp.Identifier):
         text, quoted = ident.this, ident.quoted
     else:
         text, quoted = str(ident), False
     if dialect == "clickhouse":
         return text
-    if dialect == "postgres" and quoted:
-        return text
+    if dialect == "postgres":
+        return text if quoted else text.translate(ASCII_LOWER)
     return text.lower()
 
 
@@ -195,7 +208,12 @@ def _analyze_cached(sql: str, dialect: str) -> Analysis:
                               "MySQL executable comments (/*! ... */) are refused: the server runs their "
                               "text but it cannot be analysed; write the SQL without them")
     tree = _parse_one(sql, dialect)
-    return _classify(sql, dialect, tree)
+    a = _classify(sql, dialect, tree)
+    if dialect == "mysql" and _MYSQL_SESSION_HINT.search(sql):
+        a.is_write, a.write_ops = True, a.write_ops | {"set"}
+    if dialect == "mysql" and _MYSQL_SONAME.search(sql):
+        a.unsafe = a.unsafe + ("SONAME",)   # CREATE FUNCTION ... SONAME / INSTALL PLUGIN load a shared library
+    return a
 
 
 def _parse_one(sql: str, dialect: str) -> exp.Expression:
@@ -276,6 +294,7 @@ def _classify_command(sql: str, dialect: str, tree: exp.Command, depth: int) -> 
                             False, sub.has_output)
     unsafe = ()
     if first in _UNSAFE_COMMANDS or (first == "vacuum" and re.search(r"\binto\b", rest, re.I)) or \
+            re.search(r"\bsoname\b|\bplugin\b", rest, re.I) or \
             (first in ("copy", "select") and re.search(r"\b(?:program|outfile|dumpfile|infile)\b", rest, re.I)):
         unsafe = (keyword.upper(),)
     return Analysis(sql, dialect, tree, True, frozenset({first}), unsafe, (),
@@ -323,6 +342,8 @@ class _Walker:
         for key, value in args.items():
             if key in ("with_", "with") and isinstance(value, exp.With):
                 continue
+            if key == "settings" and isinstance(value, list) and self.dialect == "clickhouse":
+                self._ch_settings(value)
             if key == "tables" and isinstance(node, exp.Delete) and isinstance(value, list):
                 # MySQL DELETE t1 FROM t1 JOIN t2: the leading names are aliases of the FROM tables.
                 value = [v for v in value if not self._is_delete_alias(node, v)]
@@ -354,6 +375,9 @@ class _Walker:
                 fname = func_name(this)
                 if fname not in _CLICKHOUSE_SAFE_TABLE_FUNCS:
                     self.unsafe.append(fname)
+            elif isinstance(this, exp.Func) and d == "sqlite" and func_name(this).startswith("pragma_"):
+                # SQLite's table-valued pragmas are eponymous virtual tables: govern them by name.
+                self.refs.append((None, func_name(this)))
             return
         if isinstance(node, exp.Func):
             fname = func_name(node)
@@ -391,6 +415,16 @@ class _Walker:
             self.ops.add(kw[0] if kw else "command")
             self.opaque = self.opaque or "a statement qag cannot parse fully"
             return
+
+    def _ch_settings(self, items) -> None:
+        # SELECT ... SETTINGS can lift limits the gateway set on the session (time limit, readonly,
+        # introspection): those count as a "set" write, which read-only keys may not do.
+        for item in items:
+            name = item.this.name.lower() if isinstance(item, exp.EQ) and isinstance(item.this, exp.Expression) \
+                else ""
+            if not name or name in _CH_GUARDED_SETTINGS or (name.startswith(("allow_", "max_", "timeout"))
+                                                           and name not in _CH_HARMLESS_SETTINGS):
+                self.ops.add("set")
 
     def _is_delete_alias(self, node: exp.Delete, t) -> bool:
         if not isinstance(t, exp.Table) or t.args.get("db") is not None or not isinstance(t.this, exp.Identifier):

@@ -175,9 +175,28 @@ def plan_governance(*, sql: str, dialect: str, default_schema: str, allowed_tabl
                         output_names=names, unsafe=a.unsafe)
 
 
+# Catalog relations whose rows can hold other tables' values (statistics samples, query texts with literals,
+# raw pages): a key with masking rules could read masked values through them, so they are refused for it.
+_REVEALING = {
+    "postgres": lambda s, t: t in ("pg_stat_statements", "pg_stat_statements_info") or (s == "pg_catalog" and t in (
+        "pg_stats", "pg_statistic", "pg_stats_ext", "pg_stats_ext_exprs", "pg_statistic_ext_data",
+        "pg_stat_activity", "pg_largeobject")),
+    "mysql": lambda s, t: s in ("mysql", "performance_schema", "sys") or (s == "information_schema" and t in (
+        "column_statistics", "processlist", "innodb_buffer_page", "innodb_ft_index_table", "innodb_ft_index_cache")),
+    "sqlite": lambda s, t: t in ("sqlite_stat1", "sqlite_stat3", "sqlite_stat4", "sqlite_dbpage", "dbstat"),
+    "clickhouse": lambda s, t: s.lower() == "system" and (t.lower().endswith("_log") or t.lower() in (
+        "processes", "query_cache", "filesystem_cache")),
+}
+
+
 def _masking(a, d, schema, tables, rules, columns_of):
     if not rules or a.explain or not a.has_output:
         return None, None
+    revealing = sorted(f"{s}.{t}" for s, t in tables if _REVEALING[d](s.lower(), t.lower()))
+    if revealing:
+        raise GovernanceError(403, "mask_unresolvable",
+                              f"this key has masking rules and {', '.join(revealing)} can reveal values of masked "
+                              "columns (statistics, query texts or raw pages)", {"tables": revealing})
     if a.opaque:
         raise GovernanceError(403, "mask_unresolvable",
                               f"this key has masking rules and qag cannot trace the columns of {a.opaque}")
@@ -195,7 +214,11 @@ def _masking(a, d, schema, tables, rules, columns_of):
     if not applicable:
         return None, None      # fast path: no rule can touch any column this statement reads
 
-    outs = lineage.outputs(a.tree)
+    try:
+        outs = lineage.outputs(a.tree)
+    except RecursionError:
+        raise GovernanceError(403, "mask_unresolvable", "the statement is nested too deeply to trace its columns") \
+            from None
     if isinstance(outs, Unknown):
         raise GovernanceError(403, "mask_unresolvable",
                               f"masking rules apply to this statement but its output columns cannot be "

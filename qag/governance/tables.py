@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import re
 
+from .analysis import ASCII_LOWER
+
 _PART = re.compile(r'"((?:[^"]|"")*)"|`((?:[^`]|``)*)`|\[([^\]]*)\]|([^."`\[]+)')
 
 
@@ -43,6 +45,8 @@ def split_name(text: str, dialect: str) -> list[str] | None:
 def normalize_text(part: str, quoted: bool, dialect: str) -> str:
     if dialect == "clickhouse" or (dialect == "postgres" and quoted):
         return part
+    if dialect == "postgres":
+        return part.translate(ASCII_LOWER)
     return part.lower()
 
 
