@@ -226,13 +226,15 @@ def _masking(a, d, schema, tables, rules, columns_of):
     transforms = []
     for pos, (name, lin) in enumerate(outs):
         best = None
+        actions = set()
         for item in lin:
             kind = item[0]
             if kind == "c":
                 for r in applicable:
-                    if (best is None or STRICTNESS[r.action] > STRICTNESS[best]) and \
-                            r.matches_table(item[1], item[2]) and r.matches_column(item[3]):
-                        best = r.action
+                    if r.matches_table(item[1], item[2]) and r.matches_column(item[3]):
+                        actions.add(r.action)
+                        if best is None or STRICTNESS[r.action] > STRICTNESS[best]:
+                            best = r.action
             elif kind == "t":
                 if any(r.matches_table(item[1], item[2]) for r in applicable):
                     raise GovernanceError(403, "mask_unresolvable",
@@ -244,6 +246,10 @@ def _masking(a, d, schema, tables, rules, columns_of):
                 raise GovernanceError(403, "mask_unresolvable",
                                       f"output column {pos + 1} ({name}) cannot be traced to its source "
                                       f"({item[1]}) while masking rules apply", {"column": name, "position": pos})
+        if best == "mask" and "hash" in actions:
+            # mask keeps the text after the last "@": in a value built from a masked and a hashed source
+            # (concat(email, phone)) that tail could carry the hashed one in clear, so hide the whole value.
+            best = "null"
         transforms.append(best)
     names = [n for n, _ in outs]
     if all(t is None for t in transforms):

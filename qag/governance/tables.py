@@ -58,7 +58,12 @@ def default_schema_for(dialect: str, default_schema: str | None) -> str:
         if dialect == "postgres":
             return "public"
         return ""
-    text = default_schema.split(",")[0].strip() if dialect == "postgres" else default_schema
+    text = default_schema
+    if dialect == "postgres":
+        # A search_path: the first schema that is not "$user" (or implicit catalogs) is where bare names go.
+        entries = [e.strip() for e in default_schema.split(",") if e.strip()]
+        entries = [e for e in entries if e.strip('"') not in ("$user", "pg_catalog", "pg_temp")] or ["public"]
+        text = entries[0]
     parts = split_name(text, dialect)
     return parts[-1] if parts else text
 
