@@ -32,6 +32,14 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "qag_generation": ("gauge", "The global generation of the shared segment.", ()),
 }
 
+def reference_markdown() -> str:
+    """The metrics reference for the README (a test keeps the two in step)."""
+    lines = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
+    for name, (kind, doc, labels) in METRICS.items():
+        lines.append(f"| `{name}` | {kind} | {', '.join(labels) or '-'} | {doc} |")
+    return "\n".join(lines)
+
+
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 

@@ -120,11 +120,18 @@ class Runtime:
     def _check_key(self, row: dict, via_prev: bool, client_ip: str | None, gen: int) -> Principal:
         if not row["active"]:
             raise ApiError(401, "unauthorized", UNAUTHORIZED)
-        now = timeutil.now_text()
-        if row["expires_at"] and row["expires_at"] <= now:
-            raise ApiError(401, "unauthorized", UNAUTHORIZED)
-        if via_prev and not (row["prev_valid_until"] and row["prev_valid_until"] > now):
-            raise ApiError(401, "unauthorized", UNAUTHORIZED)
+        exp = row.get("_expires_ts", _UNSET)
+        if exp is _UNSET:  # parsed once per cached row, not per call
+            exp = row["_expires_ts"] = _ts(row["expires_at"])
+            row["_prev_until_ts"] = _ts(row.get("prev_valid_until"))
+        if exp is not None or via_prev:
+            now = time.time()
+            if exp is not None and exp <= now:
+                raise ApiError(401, "unauthorized", UNAUTHORIZED)
+            if via_prev:
+                until = row["_prev_until_ts"]
+                if until is None or until <= now:
+                    raise ApiError(401, "unauthorized", UNAUTHORIZED)
         ips = row["grants"].get("allowed_ips")
         if ips:
             if not client_ip or not _ip_allowed(client_ip, ips):
@@ -280,6 +287,13 @@ class Runtime:
             if c is not None:
                 c.close()
         self._conns.clear()
+
+
+_UNSET = object()
+
+
+def _ts(text: str | None) -> float | None:
+    return timeutil.parse(text).timestamp() if text else None
 
 
 def _same_conn(a: dict, b: dict) -> bool:
