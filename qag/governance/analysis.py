@@ -63,10 +63,14 @@ _WRITE_CLASSES: tuple[tuple[type, str], ...] = tuple(
 )
 _WRITE_CLASS_TUPLE = tuple(cls for cls, _ in _WRITE_CLASSES)
 
+def _names(text: str) -> frozenset[str]:
+    return frozenset(text.split())
+
+
 # Functions that read or write server files, reach other servers, run SQL given as text (so escape the
 # allow-list) or act on other sessions/the server. Names are compared lowercased, schema stripped.
 _UNSAFE_FUNCS = {
-    "postgres": frozenset("""
+    "postgres": _names("""
         pg_read_file pg_read_binary_file pg_ls_dir pg_stat_file pg_ls_logdir pg_ls_waldir pg_ls_tmpdir
         pg_ls_archive_statusdir pg_ls_logicalsnapdir pg_ls_logicalmapdir pg_ls_replslotdir
         lo_import lo_export lo_get lo_put lo_from_bytea lo_create lo_creat lo_unlink lo_open lo_truncate
@@ -85,25 +89,25 @@ _UNSAFE_FUNCS = {
         pg_get_wal_records_info pg_get_wal_block_info pg_get_wal_stats
         ts_stat pg_import_system_collations pg_stat_reset pg_stat_reset_shared pg_stat_reset_single_table_counters
         pg_stat_reset_single_function_counters pg_stat_reset_slru pg_stat_reset_replication_slot
-    """.split()),
-    "mysql": frozenset("load_file sys_exec sys_eval sys_get sys_set sys_bineval".split()),
-    "sqlite": frozenset("load_extension readfile writefile edit fts3_tokenizer zipfile fsdir sqlar_uncompress".split()),
-    "clickhouse": frozenset("""
+    """),
+    "mysql": _names("load_file sys_exec sys_eval sys_get sys_set sys_bineval"),
+    "sqlite": _names("load_extension readfile writefile edit fts3_tokenizer zipfile fsdir sqlar_uncompress"),
+    "clickhouse": _names("""
         file url urlcluster s3 s3cluster gcs oss cosn hdfs hdfscluster remote remotesecure cluster
         clusterallreplicas mysql postgresql sqlite mongodb redis jdbc odbc azureblobstorage
         azureblobstoragecluster iceberg icebergs3 icebergazure iceberghdfs icebergcluster deltalake
         deltalakecluster hudi hudicluster executable input merge loop filecluster dictionary
         fuzzjson fuzzquery timeseriesdata timeseriesmetrics timeseriestags mergetreeindex mergetreeprojection
         arrowflight arrowflightcluster ytsaurus paimon
-    """.split()),
+    """),
 }
 _UNSAFE_PREFIXES = {"postgres": ("dblink", "binary_upgrade_", "pg_replication_origin_"), "mysql": (),
                     "sqlite": (), "clickhouse": ()}
 
 # ClickHouse table functions that only compute values (anything else in FROM is refused as unsafe:
 # most of them reach files, URLs or other servers, and merge()/loop() read tables chosen by a pattern).
-_CLICKHOUSE_SAFE_TABLE_FUNCS = frozenset(
-    "numbers numbers_mt zeros zeros_mt generaterandom values view null generate_series generateseries format".split())
+_CLICKHOUSE_SAFE_TABLE_FUNCS = _names(
+    "numbers numbers_mt zeros zeros_mt generaterandom values view null generate_series generateseries format")
 
 # Functions that change state even inside a SELECT; value = write op.
 _WRITE_FUNCS = {
@@ -123,18 +127,19 @@ _WRITE_FUNCS = {
 _UNSAFE_COMMANDS = frozenset({"load", "backup", "restore", "install", "attach", "detach", "handler", "source"})
 _EXPLAIN_OPTIONS = re.compile(r"^\s*(?:\((?:[^()]|\([^()]*\))*\)|analy[sz]e\b|verbose\b|query\s+plan\b|"
                               r"extended\b|partitions\b|format\s*=\s*\w+|pipeline\b|plan\b|syntax\b|ast\b|"
-                              r"estimate\b|indexes\s*=\s*\d)\s*", re.I)
+                              r"estimate\b|indexes\s*=\s*\d)\s*", re.IGNORECASE)
 # MySQL/MariaDB run the text of /*! ... */ and /*M! ... */ comments; sqlglot drops comments.
-_MYSQL_EXEC_COMMENT = re.compile(r"/\*M?!", re.I)
+_MYSQL_EXEC_COMMENT = re.compile(r"/\*M?!", re.IGNORECASE)
 _MYSQL_UNPARSED_UNSAFE = re.compile(r"\binto\s+(?:outfile|dumpfile)\b|\bload\s+(?:data|xml)\b|\bload_file\s*\(",
-                                    re.I)
-_CH_UNPARSED_UNSAFE = re.compile(r"\binto\s+outfile\b", re.I)
+                                    re.IGNORECASE)
+_CH_UNPARSED_UNSAFE = re.compile(r"\binto\s+outfile\b", re.IGNORECASE)
 _CH_GUARDED_SETTINGS = frozenset({"readonly", "log_queries", "log_comment", "send_timeout", "receive_timeout",
                                   "workload", "priority", "enable_http_compression"})
 _CH_HARMLESS_SETTINGS = frozenset({"max_threads", "max_block_size", "max_final_threads", "max_insert_threads"})
 # MySQL optimizer hints that override session limits the gateway set (statement time limit, variables).
-_MYSQL_SONAME = re.compile(r"\bsoname\b", re.I)
-_MYSQL_SESSION_HINT = re.compile(r"/\*\+[^*]*\b(?:max_execution_time|set_var)\b", re.I)
+_FILE_WORDS = re.compile(r"\b(?:program|outfile|dumpfile|infile)\b", re.IGNORECASE)
+_MYSQL_SONAME = re.compile(r"\bsoname\b", re.IGNORECASE)
+_MYSQL_SESSION_HINT = re.compile(r"/\*\+[^*]*\b(?:max_execution_time|set_var)\b", re.IGNORECASE)
 
 
 def canonical_dialect(dialect: str) -> str:
@@ -173,8 +178,18 @@ def func_name(node: exp.Func) -> str:
 class Analysis:
     """What one statement is, from its parsed tree. Shared through the cache: treat as read-only."""
 
-    __slots__ = ("sql", "dialect", "tree", "is_write", "write_ops", "unsafe", "table_refs", "opaque",
-                 "explain", "has_output")
+    __slots__ = (
+        "dialect",
+        "explain",
+        "has_output",
+        "is_write",
+        "opaque",
+        "sql",
+        "table_refs",
+        "tree",
+        "unsafe",
+        "write_ops",
+    )
 
     def __init__(self, sql, dialect, tree, is_write, write_ops, unsafe, table_refs, opaque, explain, has_output):
         self.sql = sql
@@ -293,9 +308,9 @@ def _classify_command(sql: str, dialect: str, tree: exp.Command, depth: int) -> 
             return Analysis(sql, dialect, ins, True, frozenset(ops), sub.unsafe, sub.table_refs, sub.opaque,
                             False, sub.has_output)
     unsafe = ()
-    if first in _UNSAFE_COMMANDS or (first == "vacuum" and re.search(r"\binto\b", rest, re.I)) or \
-            re.search(r"\bsoname\b|\bplugin\b", rest, re.I) or \
-            (first in ("copy", "select") and re.search(r"\b(?:program|outfile|dumpfile|infile)\b", rest, re.I)):
+    if first in _UNSAFE_COMMANDS or (first == "vacuum" and re.search(r"\binto\b", rest, re.IGNORECASE)) or \
+            re.search(r"\bsoname\b|\bplugin\b", rest, re.IGNORECASE) or \
+            (first in ("copy", "select") and _FILE_WORDS.search(rest)):
         unsafe = (keyword.upper(),)
     return Analysis(sql, dialect, tree, True, frozenset({first}), unsafe, (),
                     f"{keyword.upper()} statements", False, True)
@@ -304,7 +319,7 @@ def _classify_command(sql: str, dialect: str, tree: exp.Command, depth: int) -> 
 class _Walker:
     """One pass over the tree collecting table references (CTE-aware), write ops and unsafe parts."""
 
-    __slots__ = ("dialect", "refs", "ops", "unsafe", "opaque")
+    __slots__ = ("dialect", "opaque", "ops", "refs", "unsafe")
 
     def __init__(self, dialect: str):
         self.dialect = dialect
@@ -386,7 +401,7 @@ class _Walker:
             op = _WRITE_FUNCS[d].get(fname)
             if op:
                 self.ops.add(op)
-            if d == "clickhouse" and (fname.startswith("dict") or fname.startswith("joinget")) and \
+            if d == "clickhouse" and (fname.startswith(("dict", "joinget"))) and \
                     fname not in ("dictionary",):
                 self._dict_ref(node, fname)
             return

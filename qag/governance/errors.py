@@ -6,7 +6,7 @@ from __future__ import annotations
 class GovernanceError(Exception):
     """A refusal decided at plan time; the API layer renders it as {"error", "code", **extra}."""
 
-    __slots__ = ("status", "code", "message", "extra")
+    __slots__ = ("code", "extra", "message", "status")
 
     def __init__(self, status: int, code: str, message: str, extra: dict | None = None):
         super().__init__(message)

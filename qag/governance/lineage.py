@@ -32,7 +32,7 @@ class Unknown:
 
 
 class _Source:
-    __slots__ = ("alias", "cols", "table", "any_lineage", "pending")
+    __slots__ = ("alias", "any_lineage", "cols", "pending", "table")
 
     def __init__(self, alias, cols, table=None, any_lineage=EMPTY, pending=False):
         self.alias = alias            # name the query uses for it (lowercased)
@@ -60,7 +60,7 @@ class _Source:
 
 
 class _Scope:
-    __slots__ = ("sources", "merged", "aliases", "parent", "ctes")
+    __slots__ = ("aliases", "ctes", "merged", "parent", "sources")
 
     def __init__(self, parent, ctes=None):
         self.sources: list[_Source] = []
@@ -462,7 +462,7 @@ class Lineage:
                 inner = node.this
                 out |= self.refs(inner.this if isinstance(inner, exp.Subquery) else inner, scope)
                 continue
-            if isinstance(node, _QUERY) or isinstance(node, _DML):
+            if isinstance(node, (_QUERY, _DML)):
                 out |= self.flat(self.query(node, scope.ctes, scope)) | self.refs(node, scope)
                 continue
             for v in node.args.values():
@@ -579,7 +579,7 @@ def _with_merged_target(scope):
 
 def _walk_local(q):
     """Nodes of a statement without descending into nested queries."""
-    stack = list(v for v in q.args.values())
+    stack = list(q.args.values())
     while stack:
         v = stack.pop()
         if isinstance(v, list):
@@ -587,7 +587,7 @@ def _walk_local(q):
             continue
         if not isinstance(v, exp.Expression):
             continue
-        if isinstance(v, _QUERY) or isinstance(v, exp.With):
+        if isinstance(v, (_QUERY, exp.With)):
             continue
         yield v
         stack.extend(v.args.values())

@@ -16,7 +16,7 @@ _PLAN_VERSION = 1
 class GovernedPlan:
     """Immutable outcome of plan_governance; to_dict()/from_dict() round-trip through msgpack."""
 
-    __slots__ = ("is_write", "write_ops", "tables", "transforms", "output_names", "unsafe")
+    __slots__ = ("is_write", "output_names", "tables", "transforms", "unsafe", "write_ops")
 
     def __init__(self, *, is_write, write_ops, tables, transforms, output_names=None, unsafe=()):
         set_ = object.__setattr__
@@ -46,7 +46,7 @@ class GovernedPlan:
         }
 
     @classmethod
-    def from_dict(cls, d) -> "GovernedPlan":
+    def from_dict(cls, d) -> GovernedPlan:
         if d.get("v", _PLAN_VERSION) != _PLAN_VERSION:
             raise ValueError(f"governed plan version {d.get('v')!r} is not {_PLAN_VERSION}")
         return cls(is_write=d["is_write"], write_ops=d["write_ops"], tables=d["tables"],
@@ -83,7 +83,7 @@ class MaskRule:
     """One rule: "[schema.]table.column" with "*" wildcards, matched case-insensitively.
     A two-part rule (table.column) matches that table in ANY schema/database: masking errs on hiding."""
 
-    __slots__ = ("text", "action", "schema", "table", "column")
+    __slots__ = ("action", "column", "schema", "table", "text")
 
     def __init__(self, text: str, action: str):
         self.text = text
@@ -105,7 +105,7 @@ def _matcher(pattern: str):
     if pattern == "*":
         return lambda s: True
     if "*" in pattern:
-        rx = re.compile("".join(".*" if ch == "*" else re.escape(ch) for ch in pattern), re.S)
+        rx = re.compile("".join(".*" if ch == "*" else re.escape(ch) for ch in pattern), re.DOTALL)
         return lambda s: rx.fullmatch(s) is not None
     return lambda s: s == pattern
 

@@ -117,7 +117,7 @@ def _hasher(mask_key: bytes):
 class CompiledTransforms:
     """Per-position callables built once per (transforms, mask key); __call__ is the per-call work."""
 
-    __slots__ = ("transforms", "width", "keep", "row_fn", "expected")
+    __slots__ = ("keep", "row_fn", "transforms", "width")
 
     def __init__(self, transforms, mask_key: bytes):
         transforms = tuple(transforms)

@@ -42,7 +42,8 @@ QUERIES = [
 def test_sqlite():
     c = sqlite3.connect(":memory:")
     c.executescript("CREATE TABLE a (id, email, card, x); CREATE TABLE b (id, card, email, note);"
-                    "INSERT INTO a VALUES (1, 'ann@x.example', '4111', 'ax'); INSERT INTO b VALUES (1, '5500', 'ann@y.example', 'bn');")
+                    "INSERT INTO a VALUES (1, 'ann@x.example', '4111', 'ax');"
+                    "INSERT INTO b VALUES (1, '5500', 'ann@y.example', 'bn');")
 
     def columns_of(schema, table):
         rows = c.execute(f"PRAGMA {schema}.table_info({table})").fetchall()

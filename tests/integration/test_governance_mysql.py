@@ -19,17 +19,18 @@ KEY = b"integration-mask-key"
 
 SCHEMA = {
     "crm": ["CREATE TABLE customer (id INT PRIMARY KEY, name VARCHAR(50), email VARCHAR(80), phone VARCHAR(20))",
-            "INSERT INTO customer VALUES (1, 'Alice', 'alice@example.com', '555-0101'),"
-            " (2, 'Bob', 'bob@example.org', NULL), (3, 'Carol', NULL, '555-0103')"],
+            ("INSERT INTO customer VALUES (1, 'Alice', 'alice@example.com', '555-0101'),"
+            " (2, 'Bob', 'bob@example.org', NULL), (3, 'Carol', NULL, '555-0103')")],
     "orders": ["CREATE TABLE orders (id INT PRIMARY KEY, customer_id INT, total DECIMAL(10,2), status VARCHAR(10))",
                "INSERT INTO orders VALUES (10, 1, 99.50, 'paid'), (11, 1, 5.00, 'open'), (12, 2, 12.25, 'paid')"],
     "inventory": ["CREATE TABLE item (id INT PRIMARY KEY, sku VARCHAR(20), name VARCHAR(50), stock INT)",
                   "INSERT INTO item VALUES (1, 'SKU-1', 'Widget', 7)"],
     "org": ["CREATE TABLE employee (id INT PRIMARY KEY, name VARCHAR(50), email VARCHAR(80), salary INT)",
             "INSERT INTO employee VALUES (1, 'Dan', 'dan@corp.example', 5000)"],
-    "billing": ["CREATE TABLE customer (id INT PRIMARY KEY, card_number VARCHAR(20), email VARCHAR(80), iban VARCHAR(34))",
-                "INSERT INTO customer VALUES (1, '4111111111111111', 'alice@bank.example', 'DE00123'),"
-                " (2, '5500000000000004', 'bob@bank.example', NULL)"],
+    "billing": [("CREATE TABLE customer (id INT PRIMARY KEY, card_number VARCHAR(20), email VARCHAR(80), "
+                 "iban VARCHAR(34))"),
+                ("INSERT INTO customer VALUES (1, '4111111111111111', 'alice@bank.example', 'DE00123'),"
+                " (2, '5500000000000004', 'bob@bank.example', NULL)")],
     "catalog": ["CREATE TABLE product (id INT PRIMARY KEY, sku VARCHAR(20), name VARCHAR(50), price DECIMAL(8,2))",
                 "INSERT INTO product VALUES (1, 'SKU-1', 'Widget', 3.50)"],
 }
@@ -43,7 +44,7 @@ def h(text):
 def conn():
     try:
         c = mysql_connector.connect(host="127.0.0.1", port=3306, user="root", password="", autocommit=True)
-    except Exception as e:  # pragma: no cover - environment without MariaDB
+    except mysql_connector.Error as e:  # pragma: no cover - environment without MariaDB
         pytest.skip(f"MariaDB not reachable: {e}")
     cur = c.cursor()
     for db in DBS:
@@ -80,10 +81,10 @@ def columns_of(conn):
 
 
 def gov(sql, columns_of, allowed=None, mask=(), **kw):
-    args = dict(sql=sql, dialect="mysql", default_schema=f"{PREFIX}crm",
-                allowed_tables=[n(a) for a in allowed] if allowed is not None else None,
-                mask_rules=[{"column": c, "action": a} for c, a in mask], server_allows_writes=False,
-                key_allows_writes=False, allowed_write_ops=None, allow_unsafe=False, columns_of=columns_of)
+    args = {"sql": sql, "dialect": "mysql", "default_schema": f"{PREFIX}crm",
+                "allowed_tables": [n(a) for a in allowed] if allowed is not None else None,
+                "mask_rules": [{"column": c, "action": a} for c, a in mask], "server_allows_writes": False,
+                "key_allows_writes": False, "allowed_write_ops": None, "allow_unsafe": False, "columns_of": columns_of}
     args.update(kw)
     return plan_governance(**args)
 
@@ -104,7 +105,7 @@ def test_cross_database_join_needs_both_grants(conn, columns_of):
     assert info.value.extra["tables"] == [f"{PREFIX}orders.orders"]
     plan = gov(sql, columns_of, allowed=["crm.customer", "orders.orders"])
     assert plan.tables == {f"{PREFIX}crm.customer", f"{PREFIX}orders.orders"}
-    cols, rows = run(conn, sql, plan)
+    _cols, rows = run(conn, sql, plan)
     assert rows == [("Alice", pytest.approx(99.5)), ("Alice", pytest.approx(5)), ("Bob", pytest.approx(12.25))]
 
 
@@ -204,7 +205,7 @@ def test_permitted_write_runs_and_returns_masked_rows(conn, columns_of):
                server_allows_writes=True, key_allows_writes=True, allowed_write_ops=["insert"])
     assert plan.is_write and plan.write_ops == {"insert"}
     try:
-        cols, rows = run(conn, sql, plan)
+        _cols, rows = run(conn, sql, plan)
     except mysql_connector.Error as e:  # pragma: no cover - MySQL (not MariaDB) has no RETURNING
         pytest.skip(f"server has no INSERT ... RETURNING: {e}")
     finally:

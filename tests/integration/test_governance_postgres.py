@@ -41,7 +41,7 @@ def h(text):
 def conn():
     try:
         admin = psycopg2.connect(host="127.0.0.1", port=5432, user="postgres", dbname="postgres")
-    except Exception as e:  # pragma: no cover - environment without PostgreSQL
+    except psycopg2.OperationalError as e:  # pragma: no cover - environment without PostgreSQL
         pytest.skip(f"PostgreSQL not reachable: {e}")
     admin.autocommit = True
     with admin.cursor() as cur:
@@ -72,9 +72,9 @@ def columns_of(conn):
 
 
 def gov(sql, columns_of, allowed=None, mask=(), **kw):
-    args = dict(sql=sql, dialect="postgres", default_schema="public", allowed_tables=allowed,
-                mask_rules=[{"column": c, "action": a} for c, a in mask], server_allows_writes=False,
-                key_allows_writes=False, allowed_write_ops=None, allow_unsafe=False, columns_of=columns_of)
+    args = {"sql": sql, "dialect": "postgres", "default_schema": "public", "allowed_tables": allowed,
+                "mask_rules": [{"column": c, "action": a} for c, a in mask], "server_allows_writes": False,
+                "key_allows_writes": False, "allowed_write_ops": None, "allow_unsafe": False, "columns_of": columns_of}
     args.update(kw)
     return plan_governance(**args)
 
@@ -139,7 +139,7 @@ def test_masked_results_value_by_value(conn, columns_of):
 def test_numeric_and_quoted_columns_hash_as_documented(conn, columns_of):
     sql = 'SELECT o.total, q."Email" FROM orders o, "Customer" q WHERE o.id = 10'
     plan = gov(sql, columns_of, mask=[("orders.total", "hash"), ("Customer.Email", "mask")])
-    cols, rows = run(conn, sql, plan)
+    _cols, rows = run(conn, sql, plan)
     assert rows == [(h("99.50"), "q***@example.com")]
 
 
@@ -192,8 +192,8 @@ def test_refused_statements_change_nothing(conn, columns_of):
                 "SELECT * INTO stolen FROM customer", "SELECT * FROM customer FOR UPDATE",
                 "SELECT nextval('orders_seq')", "SELECT set_config('default_transaction_read_only', 'off', false)",
                 "SELECT '\\'; DELETE FROM customer; --'", "SELECT pg_read_file('/etc/hostname')",
-                "COPY customer TO PROGRAM 'true'", "MERGE INTO customer c USING billing.customer b ON b.id = c.id "
-                "WHEN MATCHED THEN DELETE", "DO $$ BEGIN DELETE FROM customer; END $$"]
+                "COPY customer TO PROGRAM 'true'", ("MERGE INTO customer c USING billing.customer b ON b.id = c.id "
+                "WHEN MATCHED THEN DELETE"), "DO $$ BEGIN DELETE FROM customer; END $$"]
     for sql in attempts:
         try:
             plan = gov(sql, columns_of)
@@ -210,7 +210,7 @@ def test_permitted_write_returns_masked_rows(conn, columns_of):
     assert plan.is_write and plan.write_ops == {"update"}
     conn.autocommit = False
     try:
-        cols, rows = run(conn, sql, plan)
+        _cols, rows = run(conn, sql, plan)
     finally:
         conn.rollback()
         conn.autocommit = True

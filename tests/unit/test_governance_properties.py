@@ -22,7 +22,7 @@ def randcase(draw, word):
 @st.composite
 def write_core(draw, dialect):
     t = draw(st.sampled_from(TABLES))
-    kw = lambda w: randcase(draw, w)  # noqa: E731
+    kw = lambda w: randcase(draw, w)
     options = [
         f"{kw('DELETE')} {kw('FROM')} {t} {kw('WHERE')} id = NULL",
         f"{kw('UPDATE')} {t} {kw('SET')} name = 'x' {kw('WHERE')} id = NULL",
@@ -79,9 +79,10 @@ def wrapped_write(draw, dialect):
 
 
 def plan(sql, dialect, **kw):
-    args = dict(sql=sql, dialect=dialect, default_schema=SCHEMAS[dialect], allowed_tables=None, mask_rules=[],
-                server_allows_writes=False, key_allows_writes=False, allowed_write_ops=None,
-                allow_unsafe=False, columns_of=lambda s, t: None)
+    args = {"sql": sql, "dialect": dialect, "default_schema": SCHEMAS[dialect], "allowed_tables": None,
+            "mask_rules": [],
+                "server_allows_writes": False, "key_allows_writes": False, "allowed_write_ops": None,
+                "allow_unsafe": False, "columns_of": lambda s, t: None}
     args.update(kw)
     return plan_governance(**args)
 
@@ -134,7 +135,8 @@ def read_query(draw, dialect):
         elif shape == 2:
             sql = f"SELECT id FROM ({sql}) s{i} UNION ALL SELECT id FROM {ref(t)}"
         elif shape == 3:
-            sql = f"WITH c{i} AS (SELECT id FROM {ref(t)}) SELECT c{i}.id FROM c{i} JOIN ({sql}) q{i} ON q{i}.id = c{i}.id"
+            sql = (f"WITH c{i} AS (SELECT id FROM {ref(t)}) "
+                   f"SELECT c{i}.id FROM c{i} JOIN ({sql}) q{i} ON q{i}.id = c{i}.id")
         else:
             sql += f" {'AND' if 'WHERE' in sql else 'WHERE'} EXISTS (SELECT 1 FROM {ref(t)} e{i} WHERE e{i}.id = a0.id)"
     return sql, set(used)

@@ -42,7 +42,7 @@ def test_hash_texts_per_type():
         (42, "42"), (-7, "-7"), (0, "0"), (True, "true"), (False, "false"),
         (1.5, "1.5"), (1e16, "1e+16"), (0.0001, "0.0001"), (1e-05, "1e-05"), (-0.0, "-0.0"),
         (float("inf"), "inf"), (decimal.Decimal("12.50"), "12.50"), (decimal.Decimal("1E+3"), "1E+3"),
-        (dt.datetime(2026, 11, 30, 6, 59, 53, 123000, tzinfo=dt.timezone.utc), "2026-11-30T06:59:53.123000+00:00"),
+        (dt.datetime(2026, 11, 30, 6, 59, 53, 123000, tzinfo=dt.UTC), "2026-11-30T06:59:53.123000+00:00"),
         (dt.date(2026, 11, 30), "2026-11-30"), (dt.time(6, 59, 53), "06:59:53"),
         (b"\x00\xff", "00ff"), (bytearray(b"\x01"), "01"), (memoryview(b"\xab"), "ab"),
         (uuid.UUID("12345678-1234-5678-1234-567812345678"), "12345678-1234-5678-1234-567812345678"),
@@ -129,7 +129,8 @@ def test_plan_round_trip_pickle_and_msgpack():
 def test_error_is_picklable():
     e = GovernanceError(403, "table_not_allowed", "no", {"tables": ["billing.customer"]})
     e2 = pickle.loads(pickle.dumps(e))
-    assert (e2.status, e2.code, e2.message, e2.extra) == (403, "table_not_allowed", "no", {"tables": ["billing.customer"]})
+    want = (403, "table_not_allowed", "no", {"tables": ["billing.customer"]})
+    assert (e2.status, e2.code, e2.message, e2.extra) == want
 
 
 def test_speed_budget():
