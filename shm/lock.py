@@ -97,8 +97,8 @@ class WriterLock:
                 now = time.monotonic()
                 if orphan_seen is None or orphan_seen[0] != seq:
                     orphan_seen = (seq, now)
-                elif now - orphan_seen[1] > ORPHAN_S and self._take_over(0, 0, seq):
-                    return
+                elif now - orphan_seen[1] > ORPHAN_S and self._take_over(0, start, seq):
+                    return  # (start may be non-zero: the holder died between the two stores of release())
             if time.monotonic() >= deadline:
                 raise LockTimeout(f"shm writer lock held by pid {owner} for more than {timeout:.1f} s")
 

@@ -298,11 +298,17 @@ class Segment:
         return f"{word >> 32 & 0xFFFF}.{word >> 48}"
 
     def _after_takeover(self) -> None:
-        """LAYOUT.md [Writer lock] K4: the dead owner may have left one cache slot odd; discard it."""
+        """LAYOUT.md [Writer lock] K4: the dead owner may have left its cache slot odd, or published it
+        without its tag or occupancy count; discard or finish it."""
         q = self._q
         dirty = q[L.L_DIRTY_CACHE_SLOT // 8]
         if dirty:
-            self._discard_if_odd(self._cache_off + (dirty - 1) * self.geometry.cache_slot_size)
+            slot = dirty - 1
+            base = self._cache_off + slot * self._cache_slot_size
+            if not self._discard_if_odd(base):
+                klen = self._i[(base + L.CS_KEY_LEN) // 4]
+                self._i[self._tags_i + slot] = self._i[(base + L.CS_KEY_CRC) // 4] if klen else 0
+                self._recount_used()
             q[L.L_DIRTY_CACHE_SLOT // 8] = 0
 
     # ---- generations [Generations] --------------------------------------------------------------------------
@@ -385,12 +391,16 @@ class Segment:
         fence()
         q[base // 8] = seq + 1
         I[self._tags_i + (base - self._cache_off) // self._cache_slot_size] = 0
-        # rare path: recount rather than guess whether the dead writer had already counted this slot
+        q[L.H_CACHE_REPAIRS // 8] += 1
+        self._recount_used()
+        return True
+
+    def _recount_used(self) -> None:
+        """Rare path (K4): count occupied slots rather than guess what a dead writer had counted."""
+        I = self._i
         first = self._cache_off // 4 + _KEY_LEN_I
         step = self._cache_slot_size // 4
-        q[L.H_CACHE_USED // 8] = sum(1 for j in range(self.geometry.cache_slot_count) if I[first + j * step])
-        q[L.H_CACHE_REPAIRS // 8] += 1
-        return True
+        self._q[L.H_CACHE_USED // 8] = sum(1 for j in range(self.geometry.cache_slot_count) if I[first + j * step])
 
     def cache_put(self, key: bytes, value: bytes) -> bool:
         """C2: under the writers' lock; same key overwrites, else an empty way, else the oldest (FIFO per set)."""

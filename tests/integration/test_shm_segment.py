@@ -356,6 +356,24 @@ def test_dead_lock_holder_is_taken_over(name):
         seg.close()
 
 
+@pytest.mark.parametrize("owner_start", [0, 123456], ids=["died-before-claim", "died-inside-release"])
+def test_ownerless_held_lock_is_taken_over(name, owner_start):
+    """K3: the lock held with no owner recorded (its holder died between sem_wait and K2, or between the
+    two stores of release) is taken over once lock_seq has not moved for 1 s."""
+    seg = Segment.create(name, SIZE, slots=2)
+    try:
+        seg.bump("key", "a")
+        posix_ipc.Semaphore(name + "-w").acquire(0)  # held, and no process will ever post it
+        _raw_word(name, 584, owner_start)  # lock_owner_start; lock_owner_pid stays 0
+        t0 = time.monotonic()
+        assert seg.bump("key", "a") == 2
+        assert 0.9 < time.monotonic() - t0 < 4
+        assert seg.stat()["lock"]["takeovers"] == 1
+        assert seg.bump("key", "a") == 3  # and released normally afterwards
+    finally:
+        seg.close()
+
+
 def test_crashed_vector_is_repaired_on_takeover(name):
     """segment_crashed.bin mapped as a live segment with its writers' lock held: C4 miss, then K3 + K4."""
     data = (ROOT / "shm" / "vectors" / "segment_crashed.bin").read_bytes()
