@@ -85,7 +85,8 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
     state.positions = dict(cursor)
     writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qag-recorder-writer")
     pending = None            # (future, {slot: pos}, n records) of the batch being committed
-    batch: list = []
+    batch: list = []          # [(slot, [(pos_after, payload), ...])], one chunk per ring read
+    nbatch = 0
     batch_t0 = 0.0
     start = 0                 # ring the next read starts from, rotated so no ring starves the others
     idle = 0.0005
@@ -144,7 +145,7 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
         while True:
             stopping = stop_event.is_set()
             got = 0
-            room = batch_max - len(batch)
+            room = batch_max - nbatch
             if room > 0 and nrings:
                 for k in range(nrings):
                     slot = (start + k) % nrings
@@ -152,9 +153,10 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
                     if recs:
                         if not batch:
                             batch_t0 = time.monotonic()
-                        batch.extend([(slot, p, pl) for p, pl in recs])
+                        batch.append((slot, recs))
                         cursor[slot] = recs[-1][0]
                         got += len(recs)
+                        nbatch += len(recs)
                         room -= len(recs)
                         if room <= 0:
                             break
@@ -165,7 +167,7 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
                 pending = None
                 do_publish()
                 last_publish = now
-            full = len(batch) >= batch_max
+            full = nbatch >= batch_max
             due = batch and (full or stopping or (now - batch_t0) * 1000.0 >= batch_ms)
             if due:
                 prepared = store.prepare(sid, batch)
@@ -173,8 +175,9 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
                     finish(pending)
                     do_publish()
                     last_publish = time.monotonic()
-                pending = (writer.submit(commit, prepared), prepared.positions, len(batch))
+                pending = (writer.submit(commit, prepared), prepared.positions, nbatch)
                 batch = []
+                nbatch = 0
                 idle = 0.0005
                 continue
             if stopping:

@@ -191,25 +191,28 @@ class ClickHouseRunStore:
         if self.clock is None:
             self.clock = IdClock(self.last_event_id())
 
-    def prepare(self, source: str, records) -> CHBatch:
+    def prepare(self, source: str, chunks) -> CHBatch:
+        """`chunks` is [(slot, [(pos_after, payload), ...])]; mints the batch's ids and builds the
+        MsgPack body (a row is a fixed head plus the record's own array body: no per-field work)."""
         if self.clock is None:
             self.clock = IdClock(self.last_event_id())
         good, bad = [], 0
-        head = _RECORD_HEAD
-        for rec in records:
-            payload = rec[2]
-            if payload[:2] == head:
-                good.append(rec)
-            else:
-                fixed = _normalise(payload)
-                if fixed is None:
-                    bad += 1
-                else:
-                    good.append((rec[0], rec[1], fixed))
         positions: dict[int, int] = {}
-        for slot, p, _pl in records:
-            if p > positions.get(slot, -1):
-                positions[slot] = p
+        head = _RECORD_HEAD
+        for slot, recs in chunks:
+            if not recs:
+                continue
+            if recs[-1][0] > positions.get(slot, -1):
+                positions[slot] = recs[-1][0]
+            for p, payload in recs:
+                if payload[:2] == head:
+                    good.append((slot, p, payload))
+                else:
+                    fixed = _normalise(payload)
+                    if fixed is None:
+                        bad += 1
+                    else:
+                        good.append((slot, p, fixed))
         n = len(good)
         if not n:
             return CHBatch(source, [], positions, bad, 0, 0, 0)
@@ -273,7 +276,10 @@ class ClickHouseRunStore:
                                    settings=settings)
 
     def write_batch(self, source: str, records):
-        return self.commit(self.prepare(source, records))
+        """[(slot, pos_after, payload)] in one insert (two across midnight)."""
+        from .sql import chunks_of
+
+        return self.commit(self.prepare(source, chunks_of(records)))
 
     def prune(self, max_rows: int = 5000, now_ms_: int | None = None) -> int:
         """Drop at most one whole expired partition per call (the TTL removes rows inside

@@ -93,29 +93,56 @@ class PreparedBatch:
         self.source, self.rows, self.lines, self.positions, self.bad = source, rows, lines, positions, bad
 
 
-def decode_payloads(records):
-    """[(slot, pos, payload)] -> (rows as tuples of the 14 record fields after v, bad count)."""
-    out = []
+def chunks_of(records) -> list:
+    """[(slot, pos_after, payload)] -> [(slot, [(pos_after, payload), ...])], the recorder's shape
+    (one chunk per ring read, in ring order)."""
+    chunks: list = []
+    for slot, p, payload in records:
+        if chunks and chunks[-1][0] == slot:
+            chunks[-1][1].append((p, payload))
+        else:
+            chunks.append((slot, [(p, payload)]))
+    return chunks
+
+
+def decode_chunks(chunks, lines: list | None = None):
+    """Decode every payload; with `lines`, also append its COPY line (one pass: this loop is the
+    recorder's per-run Python cost). Returns (rows, bad, {slot: furthest pos})."""
+    rows = []
     bad = 0
-    for _slot, _pos, payload in records:
-        try:
-            t = _unpackb(payload, use_list=False, raw=False)
-        except Exception:
-            bad += 1
+    positions: dict[int, int] = {}
+    un = _unpackb
+    ap = rows.append
+    E = _CopyText() if lines is not None else None
+    lap = lines.append if lines is not None else None
+    sp, tr = _COPY_SPECIAL.search, _COPY_ESC
+    for slot, recs in chunks:
+        if not recs:
             continue
-        if type(t) is not tuple or len(t) < NFIELDS or t[0] != VERSION:
-            bad += 1
-            continue
-        out.append(t)
-    return out, bad
-
-
-def batch_positions(records) -> dict[int, int]:
-    pos: dict[int, int] = {}
-    for slot, p, _payload in records:
-        if p > pos.get(slot, -1):
-            pos[slot] = p
-    return pos
+        last = recs[-1][0]
+        if last > positions.get(slot, -1):
+            positions[slot] = last
+        for _p, payload in recs:
+            try:
+                t = un(payload, use_list=False, raw=False)
+            except Exception:
+                bad += 1
+                continue
+            if type(t) is not tuple or len(t) < NFIELDS or t[0] != VERSION:
+                bad += 1
+                continue
+            ap(t)
+            if lap is not None:
+                rid = t[11]  # unique per run: kept out of the cache
+                if type(rid) is not str:
+                    rid = E[rid]
+                elif sp(rid):
+                    rid = rid.translate(tr)
+                # ints are formatted as they come: a non-int there fails COPY (DataError) and the
+                # batch is retried through _valid(), so the fast path pays no per-field type checks.
+                lap(f"{t[1]}\t{E[t[2]]}\t{E[t[3]]}\t{E[t[4]]}\t{E[t[5]]}\t{t[6]}\t{E[t[7]]}\t{t[8]}\t{t[9]}\t"
+                    f"{t[10]}\t{rid}\t{E[t[12]]}\t{E[t[13]]}\t{E[t[14]]}\n")
+    return rows, bad, positions
 
 
 class SqlRunStore:
@@ -240,30 +267,32 @@ class SqlRunStore:
         rows = self._read("SELECT last_event_id FROM qag_event_clock WHERE id = 1")
         return int(rows[0][0]) if rows else 0
 
-    def prepare(self, source: str, records) -> "PreparedBatch":
+    def prepare(self, source: str, chunks) -> "PreparedBatch":
         """CPU-only half of a write (decode, format), so the recorder can overlap it with the
-        previous batch's commit. `records` is [(slot, pos_after, payload)]."""
-        rows, bad = decode_payloads(records)
-        lines = None
+        previous batch's commit. `chunks` is [(slot, [(pos_after, payload), ...])]."""
         if self.pg:
+            lines: list | None = []
             try:
-                lines = _copy_lines(rows)
-            except TypeError:
+                rows, bad, positions = decode_chunks(chunks, lines)
+            except TypeError:  # a field of a type COPY text cannot carry: check every record
+                rows, bad, positions = decode_chunks(chunks)
                 good = [t for t in rows if _valid(t)]
                 bad += len(rows) - len(good)
                 rows, lines = good, _copy_lines(good)
         else:
+            lines = None
+            rows, bad, positions = decode_chunks(chunks)
             # SQLite's type affinity would store a wrong-typed field silently: check each record.
             good = [t for t in rows if _valid(t)]
             bad += len(rows) - len(good)
             rows = good
-        return PreparedBatch(source, rows, lines, batch_positions(records), bad)
+        return PreparedBatch(source, rows, lines, positions, bad)
 
     def write_batch(self, source: str, records) -> tuple[int, int, int]:
         """Write [(slot, pos_after, payload)] as one transaction and move `source`'s positions to
         the largest pos per slot. Returns (first_event_id, last_event_id, rows written); ids are
         0 when the batch held no valid record (positions still move past undecodable ones)."""
-        return self.commit(self.prepare(source, records))
+        return self.commit(self.prepare(source, chunks_of(records)))
 
     def commit(self, batch: "PreparedBatch") -> tuple[int, int, int]:
         with self._lock:

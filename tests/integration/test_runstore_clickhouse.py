@@ -12,6 +12,7 @@ import pytest
 from qag import runrecord as rr
 from qag.runstore import StoreSettings, open_store
 from qag.runstore.clickhouse import writer_user_sql
+from qag.runstore.sql import chunks_of
 
 
 @pytest.fixture()
@@ -39,7 +40,7 @@ def recs(n, start=0, slot=0, status=200):
 
 def test_a_retried_insert_lands_once(ch):
     store = ch()
-    batch = store.prepare("src", recs(1000))
+    batch = store.prepare("src", chunks_of(recs(1000)))
     store.commit(batch)
     store.commit(batch)  # the client saw an error after the server had written it: same ids, same token
     assert store.counts() == {"qag_events": 1000, "qag_history": 1000, "usage_calls": 1000}
@@ -137,7 +138,7 @@ def test_a_batch_across_midnight_is_two_inserts_one_per_day(ch):
     store = ch()
     midnight = time.time_ns() // 1_000_000 // 86_400_000 * 86_400_000
     store.clock = IdClock(0, clock=lambda: midnight - 1)  # 2,048 ids left in the old day
-    batch = store.prepare("s", recs(3000))
+    batch = store.prepare("s", chunks_of(recs(3000)))
     assert len(batch.inserts) == 2
     (f1, _b1), (f2, _b2) = batch.inserts
     assert id_ms(f1) == midnight - 1 and id_ms(f2) == midnight and f2 - f1 == 2048

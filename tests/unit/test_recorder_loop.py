@@ -151,7 +151,7 @@ def test_resume_skips_what_was_written_before_a_crash_but_not_released():
     fill(src, 100)
     # A batch committed (positions durable) whose process died before releasing the rings.
     r0 = src.rings[0]
-    batch = [(0, p, pl) for p, pl in r0.read_from(0, 60)]
+    batch = [(0, p, pl) for p, pl in r0.read_from(0, 60)]  # write_batch takes flat (slot, pos, payload)
     store.write_batch("fake", batch)
     assert r0.tail == 0
     cursor = resume_positions(src.rings, store.positions("fake"))
@@ -173,10 +173,10 @@ def test_no_ring_starves_the_others():
     first_batch_slots = []
     orig = store.prepare
 
-    def prepare(source, records):
+    def prepare(source, chunks):
         if not first_batch_slots:
-            first_batch_slots.extend(sorted({s for s, _p, _pl in records}))
-        return orig(source, records)
+            first_batch_slots.extend(sorted({s for s, recs in chunks if recs}))
+        return orig(source, chunks)
 
     store.prepare = prepare
     run_until_drained(src, store, batch_max=4000, batch_ms=1000)
