@@ -82,6 +82,7 @@ def cmd_migrate(args) -> int:
     cfg = _cfg(args)
     store = Store(home=cfg.home, database_url=cfg.database_url, secret_key=cfg.secret_key)
     print(f"schema version {store.migrate()}")
+    _bump_global(cfg)  # a running instance on this host rebuilds whatever a migration may have changed
     return 0
 
 
