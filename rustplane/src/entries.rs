@@ -1,0 +1,308 @@
+//! What Python publishes in the segment's cache for the plane (qag/publish.py): key, plan and connection
+//! entries, and their validation against the current generations. Anything malformed or stale is a miss.
+
+use crate::mask::Action;
+use crate::msgpack::Value;
+use crate::params::Spec;
+use crate::segment::{unpack_entry, GenKind, Segment};
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
+/// Cache key of a key entry: b"k:" + lowercase hex sha256(secret).
+pub fn key_cache_key(secret_sha256_hex: &str) -> Vec<u8> {
+    format!("k:{secret_sha256_hex}").into_bytes()
+}
+
+pub fn plan_cache_key(key_name: &str, query: &str) -> Vec<u8> {
+    let mut k = b"p:".to_vec();
+    k.extend_from_slice(key_name.as_bytes());
+    k.push(0);
+    k.extend_from_slice(query.as_bytes());
+    k
+}
+
+pub fn conn_cache_key(name: &str) -> Vec<u8> {
+    format!("c:{name}").into_bytes()
+}
+
+/// Read an entry and check the convention's generation list when present (LAYOUT.md [Cache entries]).
+fn fetch(seg: &Segment, key: &[u8]) -> Option<Value> {
+    let raw = seg.cache_get(key)?;
+    let (payload, gens) = unpack_entry(&raw)?;
+    if gens.iter().any(|(k, i, g)| seg.gen(*k, i) != *g) {
+        return None;
+    }
+    Some(payload)
+}
+
+fn opt_i64(v: &Value, k: &str) -> Option<Option<i64>> {
+    match v.get(k) {
+        None | Some(Value::Nil) => Some(None),
+        Some(x) => Some(Some(x.as_i64()?)),
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct KeyEntry {
+    pub name: String,
+    pub active: bool,
+    pub expires_at_us: Option<i64>,
+    pub allowed_ips: Option<Vec<String>>,
+    pub prev: bool,
+    pub prev_until_us: Option<i64>,
+    pub rate_limited: bool,
+}
+
+impl KeyEntry {
+    /// The current key entry for this secret hash, or None (missing, stale, malformed: forward).
+    pub fn load(seg: &Segment, secret_hash: &str) -> Option<KeyEntry> {
+        let v = fetch(seg, &key_cache_key(secret_hash))?;
+        let name = v.get("name")?.as_str()?.to_string();
+        let gen = v.get("gen")?.as_u64()?;
+        if seg.gen(GenKind::Key, &name) != gen {
+            return None;
+        }
+        let allowed_ips = match v.get("allowed_ips") {
+            None | Some(Value::Nil) => None,
+            Some(a) => Some(a.as_array()?.iter().map(|x| x.as_str().map(str::to_string)).collect::<Option<Vec<_>>>()?),
+        };
+        Some(KeyEntry {
+            name,
+            active: v.get("active")?.as_bool()?,
+            expires_at_us: opt_i64(&v, "expires_at_us")?,
+            allowed_ips,
+            prev: v.get("prev").and_then(Value::as_bool).unwrap_or(false),
+            prev_until_us: opt_i64(&v, "prev_until_us")?,
+            rate_limited: !matches!(v.get("rate_limit"), None | Some(Value::Nil)),
+        })
+    }
+
+    /// Runtime._check_key: true when the key may call now from `ip`.
+    pub fn allows(&self, now_us: i64, ip: Option<IpAddr>) -> bool {
+        let now_us = now_us - now_us.rem_euclid(1000); // Python compares millisecond RFC 3339 texts
+        if !self.active {
+            return false;
+        }
+        if self.expires_at_us.is_some_and(|e| e <= now_us) {
+            return false;
+        }
+        if self.prev && !self.prev_until_us.is_some_and(|u| u > now_us) {
+            return false;
+        }
+        if let Some(nets) = &self.allowed_ips {
+            if !nets.is_empty() {
+                let Some(ip) = ip else { return false };
+                return nets.iter().any(|n| ip_in(ip, n));
+            }
+        }
+        true
+    }
+}
+
+/// ipaddress.ip_network(n, strict=False) membership; malformed networks never match.
+pub fn ip_in(ip: IpAddr, net: &str) -> bool {
+    let (addr, bits) = match net.split_once('/') {
+        Some((a, b)) => (a, Some(b)),
+        None => (net, None),
+    };
+    let Ok(na) = addr.trim().parse::<IpAddr>() else { return false };
+    let ip = match (ip, na) {
+        (IpAddr::V6(v6), IpAddr::V4(_)) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => return false,
+        },
+        _ => ip,
+    };
+    let width = if na.is_ipv4() { 32 } else { 128 };
+    let bits: u32 = match bits {
+        None => width,
+        Some(b) => match b.trim().parse() {
+            Ok(b) if b <= width => b,
+            _ => return false,
+        },
+    };
+    let to_u128 = |a: IpAddr| match a {
+        IpAddr::V4(x) => u32::from(x) as u128,
+        IpAddr::V6(x) => u128::from(x),
+    };
+    if ip.is_ipv4() != na.is_ipv4() {
+        return false;
+    }
+    if bits == 0 {
+        return true;
+    }
+    let shift = width - bits;
+    (to_u128(ip) >> shift) == (to_u128(na) >> shift)
+}
+
+#[derive(Debug, Clone)]
+pub struct PlanEntry {
+    pub query: String,
+    pub version: i64,
+    pub connection: String,
+    pub dialect: String,
+    pub sql_native: String,
+    pub arg_names: Vec<String>,
+    pub specs: Vec<Spec>,
+    pub transforms: Option<Vec<Action>>,
+    pub page_mode: String,
+    pub is_write: bool,
+    pub default_page_size: i64,
+    pub max_page_size: i64,
+    pub query_timeout: f64,
+    pub gens: [u64; 3],
+}
+
+pub enum PlanLookup {
+    Miss,
+    /// Present and current but the plane cannot serve it (bad pattern, unknown field): forward.
+    Unservable,
+    Hit(Box<PlanEntry>),
+}
+
+impl PlanEntry {
+    pub fn load(seg: &Segment, key_name: &str, query: &str) -> PlanLookup {
+        let Some(v) = fetch(seg, &plan_cache_key(key_name, query)) else { return PlanLookup::Miss };
+        let Some(gens) = v.get("gens").and_then(Value::as_array).and_then(|g| {
+            Some([g.first()?.as_u64()?, g.get(1)?.as_u64()?, g.get(2)?.as_u64()?])
+        }) else {
+            return PlanLookup::Miss;
+        };
+        let Some(conn) = v.get("connection").and_then(Value::as_str) else { return PlanLookup::Miss };
+        let current = [seg.gen(GenKind::Key, key_name), seg.gen(GenKind::Query, query), seg.gen(GenKind::Connection, conn)];
+        if gens != current {
+            return PlanLookup::Miss;
+        }
+        match Self::parse(&v, gens) {
+            Some(p) if p.query == query => PlanLookup::Hit(Box::new(p)),
+            _ => PlanLookup::Unservable,
+        }
+    }
+
+    fn parse(v: &Value, gens: [u64; 3]) -> Option<PlanEntry> {
+        let transforms = match v.get("transforms") {
+            None | Some(Value::Nil) => None,
+            Some(t) => Some(t.as_array()?.iter().map(|a| Action::parse(a.as_str().or(if a.is_nil() { None } else { Some("?") })))
+                .collect::<Option<Vec<_>>>()?),
+        };
+        Some(PlanEntry {
+            query: v.get("query")?.as_str()?.to_string(),
+            version: v.get("version")?.as_i64()?,
+            connection: v.get("connection")?.as_str()?.to_string(),
+            dialect: v.get("dialect")?.as_str()?.to_string(),
+            sql_native: v.get("sql_native")?.as_str()?.to_string(),
+            arg_names: v.get("arg_names")?.as_array()?.iter().map(|x| x.as_str().map(str::to_string)).collect::<Option<_>>()?,
+            specs: v.get("specs")?.as_array()?.iter().map(Spec::from_value).collect::<Option<_>>()?,
+            transforms,
+            page_mode: v.get("page_mode")?.as_str()?.to_string(),
+            is_write: v.get("is_write")?.as_bool()?,
+            default_page_size: v.get("default_page_size")?.as_i64()?,
+            max_page_size: v.get("max_page_size")?.as_i64()?,
+            query_timeout: v.get("query_timeout")?.as_f64()?,
+            gens,
+        })
+    }
+
+    /// Plan.paged_sql for one page (+1 row to know whether there is more).
+    pub fn paged_sql(&self, page: i64, page_size: i64) -> Option<String> {
+        match self.page_mode.as_str() {
+            "append" => Some(format!("{}\nLIMIT {} OFFSET {}", self.sql_native, page_size + 1, (page - 1) * page_size)),
+            "wrap" => Some(format!(
+                "SELECT * FROM (\n{}\n) AS qag_page LIMIT {} OFFSET {}",
+                self.sql_native,
+                page_size + 1,
+                (page - 1) * page_size
+            )),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConnEntry {
+    pub name: String,
+    pub db: String,
+    pub host: String,
+    pub port: u16,
+    pub user: Option<String>,
+    pub database: Option<String>,
+    pub options: BTreeMap<String, String>,
+    pub gen: u64,
+}
+
+impl ConnEntry {
+    pub fn load(seg: &Segment, name: &str) -> Option<ConnEntry> {
+        let v = fetch(seg, &conn_cache_key(name))?;
+        let gen = v.get("gen")?.as_u64()?;
+        if seg.gen(GenKind::Connection, name) != gen {
+            return None;
+        }
+        let s = |k: &str| v.get(k).and_then(Value::as_str).filter(|s| !s.is_empty()).map(str::to_string);
+        let mut options = BTreeMap::new();
+        if let Some(Value::Map(m)) = v.get("options") {
+            for (k, x) in m {
+                let text = match x {
+                    Value::Str(s) => s.clone(),
+                    Value::Nil => continue,
+                    other => match other.as_i64() {
+                        Some(i) => i.to_string(),
+                        None => return None,
+                    },
+                };
+                options.insert(k.as_str()?.to_string(), text);
+            }
+        }
+        let port = match v.get("port") {
+            None | Some(Value::Nil) => 5432,
+            Some(p) => u16::try_from(p.as_i64().or_else(|| p.as_str().and_then(|s| s.parse().ok()))?).ok()?,
+        };
+        Some(ConnEntry {
+            name: name.to_string(),
+            db: v.get("db")?.as_str()?.to_string(),
+            host: s("host").unwrap_or_else(|| "127.0.0.1".into()),
+            port,
+            user: s("user"),
+            database: s("database"),
+            options,
+            gen,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cidr_like_ipaddress() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        assert!(ip_in(ip("10.1.2.3"), "10.0.0.0/8"));
+        assert!(ip_in(ip("10.1.2.3"), "10.1.2.3"));
+        assert!(!ip_in(ip("10.1.2.4"), "10.1.2.3/32"));
+        assert!(ip_in(ip("10.1.2.3"), "10.1.2.99/24"), "strict=False: host bits ignored");
+        assert!(ip_in(ip("::1"), "::1/128"));
+        assert!(!ip_in(ip("127.0.0.1"), "::1"));
+        assert!(!ip_in(ip("127.0.0.1"), "bogus"));
+        assert!(ip_in(ip("1.2.3.4"), "0.0.0.0/0"));
+    }
+
+    #[test]
+    fn key_checks_like_check_key() {
+        let mut k = KeyEntry { name: "k".into(), active: true, expires_at_us: Some(100_000), allowed_ips: None, prev: false,
+                               prev_until_us: None, rate_limited: false };
+        assert!(k.allows(99_999, None));
+        assert!(!k.allows(100_000, None), "expires_at <= now: expired");
+        assert!(k.allows(100_999 - 1000, None), "now is compared at millisecond precision");
+        k.expires_at_us = None;
+        k.prev = true;
+        assert!(!k.allows(5, None), "previous secret without a grace end");
+        k.prev_until_us = Some(10_000);
+        assert!(k.allows(9_999, None) && !k.allows(10_000, None));
+        k.prev = false;
+        k.allowed_ips = Some(vec!["127.0.0.0/8".into()]);
+        assert!(k.allows(0, Some("127.0.0.2".parse().unwrap())));
+        assert!(!k.allows(0, None));
+        k.active = false;
+        assert!(!k.allows(0, Some("127.0.0.2".parse().unwrap())));
+    }
+}

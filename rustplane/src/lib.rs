@@ -1,0 +1,27 @@
+//! # qag-plane
+//!
+//! The Rust data plane of qag. It sits in front of gunicorn and serves `GET /q/<name>` reads of saved
+//! queries itself, from what Python published in the instance's shared segment (`shm/LAYOUT.md`):
+//! key entries, plans and connection entries, each validated against the segment's generations on
+//! every call. Every security decision is Python's: the plane only applies decisions already made
+//! (key active / expiry / allowed IPs, plan, masking transforms) and forwards to gunicorn, unchanged,
+//! everything it cannot answer byte-for-byte as Python would (other routes, POST, administrators,
+//! writes, streaming, `version`/`timeout`, unknown or stale entries, rate-limited keys, non-PostgreSQL
+//! connections, column types it does not render, connection failures).
+//!
+//! Each served call is recorded in the plane's own ring (a run record identical to
+//! `qag/runrecord.py`'s, `served_by = "plane"`) and counted in its own counter slot, so the recorder
+//! and `/metrics` see it like any worker's.
+//!
+//! Modules: [`sys`] (every `unsafe`), [`segment`] (the layout), [`msgpack`], [`entries`] (published
+//! entries), [`params`] (options, binding, error bodies), [`render`], [`mask`], [`pyfmt`] (Python's text
+//! forms), [`pg`] (PostgreSQL sessions and value decoding), [`server`] (HTTP, forwarding, the request path).
+
+pub mod entries;
+pub mod mask;
+pub mod msgpack;
+pub mod params;
+pub mod pyfmt;
+pub mod render;
+pub mod segment;
+pub mod sys;

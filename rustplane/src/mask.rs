@@ -1,0 +1,136 @@
+//! Masking transforms, identical to qag/governance/transforms.py: per-position hash (HMAC-SHA256 of the
+//! value's text, first 16 hex characters), mask (first character + "***", an email keeps its domain), null, drop.
+
+use crate::render::{write_jvalue, Cell};
+use crate::pyfmt::float_repr;
+use hmac::{Hmac, KeyInit, Mac};
+use sha2::Sha256;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    Keep,
+    Hash,
+    Mask,
+    Null,
+    Drop,
+}
+
+impl Action {
+    pub fn parse(s: Option<&str>) -> Option<Action> {
+        Some(match s {
+            None => Action::Keep,
+            Some("hash") => Action::Hash,
+            Some("mask") => Action::Mask,
+            Some("null") => Action::Null,
+            Some("drop") => Action::Drop,
+            Some(_) => return None,
+        })
+    }
+}
+
+/// `text_of(v)`: the normative text a value is hashed or masked on (None for SQL NULL).
+pub fn text_of(c: &Cell) -> Option<String> {
+    Some(match c {
+        Cell::Null => return None,
+        Cell::Bool(b) => (if *b { "true" } else { "false" }).to_string(),
+        Cell::Int(i) => i.to_string(),
+        Cell::Float(f) => float_repr(*f),
+        Cell::Decimal { text, .. } => text.clone(),
+        Cell::Str(s) => s.clone(),
+        Cell::Json(v) => {
+            let mut s = String::new();
+            write_jvalue(&mut s, v, true);
+            s
+        }
+    })
+}
+
+pub fn hash_text(key: &[u8], text: &str) -> String {
+    let mut mac = <Hmac<Sha256> as KeyInit>::new_from_slice(key).expect("HMAC takes any key length");
+    mac.update(text.as_bytes());
+    let d = mac.finalize().into_bytes();
+    d[..8].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+pub fn mask_text(t: &str) -> String {
+    if let Some(at) = t.rfind('@') {
+        let (local, domain) = (&t[..at], &t[at + 1..]);
+        if !local.is_empty() && !domain.is_empty() {
+            let first = local.chars().next().expect("non-empty");
+            return format!("{first}***@{domain}");
+        }
+    }
+    match t.chars().next() {
+        None => "***".to_string(),
+        Some(c) => format!("{c}***"),
+    }
+}
+
+/// apply_transforms: (columns, rows) -> (kept columns, transformed rows). None when the width differs
+/// (Python answers 403 mask_unresolvable: the caller decides before executing, so this is a safety net).
+pub fn apply(actions: &[Action], key: &[u8], columns: Vec<String>, rows: Vec<Vec<Cell>>) -> Option<(Vec<String>, Vec<Vec<Cell>>)> {
+    if actions.len() != columns.len() {
+        return None;
+    }
+    let cols = columns.into_iter().zip(actions).filter(|(_, a)| **a != Action::Drop).map(|(c, _)| c).collect();
+    let rows = rows
+        .into_iter()
+        .map(|r| {
+            r.into_iter()
+                .zip(actions)
+                .filter(|(_, a)| **a != Action::Drop)
+                .map(|(c, a)| match a {
+                    Action::Keep => c,
+                    Action::Null => Cell::Null,
+                    Action::Hash => text_of(&c).map_or(Cell::Null, |t| Cell::Str(hash_text(key, &t))),
+                    Action::Mask => text_of(&c).map_or(Cell::Null, |t| Cell::Str(mask_text(&t))),
+                    Action::Drop => unreachable!(),
+                })
+                .collect()
+        })
+        .collect();
+    Some((cols, rows))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::render::parse_json;
+
+    #[test]
+    fn hmac_matches_python() {
+        // python: from qag.governance import hash_value; hash_value(v, b"test-mask-key")
+        let key = b"test-mask-key";
+        let cases: &[(Cell, &str)] = &[
+            (Cell::Str("alice@example.com".into()), "b1c21049711d3154"),
+            (Cell::Int(-42), "3db27330f6f755b1"),
+            (Cell::Float(1e16), "9452fe0bda24661a"),
+            (Cell::Bool(true), "76415004dffbfddf"),
+            (Cell::Str("é😀".into()), "490860e4a19fad9d"),
+            (Cell::Decimal { text: "12.50".into(), num: "12.5".into() }, "bf3d0e9fba530aed"),
+            (Cell::Json(parse_json(r#"{"b": 1, "a": [1.0, "é"]}"#).unwrap()), "fb97018776875a96"),
+        ];
+        for (c, want) in cases {
+            assert_eq!(hash_text(key, &text_of(c).unwrap()), *want, "hash of {c:?}");
+        }
+    }
+
+    #[test]
+    fn mask_like_python() {
+        for (t, want) in [("john@example.com", "j***@example.com"), ("", "***"), ("x", "x***"), ("@host", "@***"),
+            ("a@b@c", "a***@c"), ("user@", "u***"), ("élan", "é***"), ("😀@d", "😀***@d")] {
+            assert_eq!(mask_text(t), want, "mask({t:?})");
+        }
+    }
+
+    #[test]
+    fn apply_drops_and_nulls() {
+        let acts = [Action::Keep, Action::Drop, Action::Null, Action::Mask, Action::Hash];
+        let rows = vec![vec![Cell::Int(1), Cell::Str("x".into()), Cell::Str("y".into()), Cell::Null, Cell::Null]];
+        let cols = ["a", "b", "c", "d", "e"].iter().map(|s| s.to_string()).collect();
+        let (c, r) = apply(&acts, b"k", cols, rows).unwrap();
+        assert_eq!(c, vec!["a", "c", "d", "e"]);
+        assert_eq!(r, vec![vec![Cell::Int(1), Cell::Null, Cell::Null, Cell::Null]]);
+        assert!(apply(&acts, b"k", vec!["a".into()], vec![]).is_none());
+    }
+}

@@ -1,0 +1,628 @@
+//! Reserved call options and parameter binding with qag/params.py's rules and error sentences, and the
+//! error body exactly as Python's `json.dumps(err.body(rid))` writes it.
+//!
+//! Anything whose Python outcome the plane cannot reproduce exactly (non-ASCII numerals, `_` in numbers,
+//! repeated names, very long values, a pattern the `regex` crate reads differently) yields `Forward`.
+
+use crate::msgpack::Value;
+use crate::pyfmt::{float_g, float_repr, json_str, str_repr};
+
+/// A JSON-able extra of an error body.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Extra {
+    Errors(Vec<(String, String)>),
+    Timeout(f64),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    pub status: u16,
+    pub code: &'static str,
+    pub message: String,
+    pub extra: Option<Extra>,
+}
+
+impl ApiError {
+    pub fn new(status: u16, code: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError { status, code, message: message.into(), extra: None }
+    }
+
+    /// `json.dumps({"error", "code", "request_id", **extra})`: separators ", " and ": ", ensure_ascii.
+    pub fn body(&self, rid: &str) -> Vec<u8> {
+        let mut s = String::with_capacity(128);
+        s.push_str("{\"error\": ");
+        json_str(&mut s, &self.message, true);
+        s.push_str(", \"code\": ");
+        json_str(&mut s, self.code, true);
+        s.push_str(", \"request_id\": ");
+        json_str(&mut s, rid, true);
+        match &self.extra {
+            None => {}
+            Some(Extra::Errors(errs)) => {
+                s.push_str(", \"errors\": {");
+                for (i, (k, v)) in errs.iter().enumerate() {
+                    if i > 0 {
+                        s.push_str(", ");
+                    }
+                    json_str(&mut s, k, true);
+                    s.push_str(": ");
+                    json_str(&mut s, v, true);
+                }
+                s.push('}');
+            }
+            Some(Extra::Timeout(t)) => {
+                s.push_str(", \"timeout\": ");
+                s.push_str(&float_repr(*t));
+            }
+        }
+        s.push('}');
+        s.into_bytes()
+    }
+}
+
+/// What a stage decides: an answer (error), or "let Python do it".
+#[derive(Debug, PartialEq)]
+pub enum Outcome {
+    Error(ApiError),
+    Forward(&'static str),
+}
+
+impl From<ApiError> for Outcome {
+    fn from(e: ApiError) -> Outcome {
+        Outcome::Error(e)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum PType {
+    Int,
+    Float,
+    Str,
+    Bool,
+}
+
+/// A typed value after conversion (Python's int/float/str/bool/None).
+#[derive(Debug, Clone, PartialEq)]
+pub enum PVal {
+    Null,
+    Int(i64),
+    Float(f64),
+    Str(String),
+    Bool(bool),
+}
+
+impl PVal {
+    /// str(v) as _check_rules' messages print it.
+    fn py_str(&self) -> String {
+        match self {
+            PVal::Null => "None".into(),
+            PVal::Int(i) => i.to_string(),
+            PVal::Float(f) => float_repr(*f),
+            PVal::Str(s) => s.clone(),
+            PVal::Bool(b) => (if *b { "True" } else { "False" }).into(),
+        }
+    }
+
+    fn as_num(&self) -> Option<Num> {
+        match *self {
+            PVal::Int(i) => Some(Num::I(i)),
+            PVal::Float(f) => Some(Num::F(f)),
+            PVal::Bool(b) => Some(Num::I(b as i64)),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Num {
+    I(i64),
+    F(f64),
+}
+
+impl Num {
+    fn text(&self) -> String {
+        match *self {
+            Num::I(i) => i.to_string(),
+            Num::F(f) => float_repr(f),
+        }
+    }
+}
+
+/// Python's exact comparison a < b across int and float.
+fn num_lt(a: Num, b: Num) -> bool {
+    match (a, b) {
+        (Num::I(x), Num::I(y)) => x < y,
+        (Num::F(x), Num::F(y)) => x < y,
+        (Num::I(x), Num::F(y)) => int_cmp_float(x, y) == Some(std::cmp::Ordering::Less),
+        (Num::F(x), Num::I(y)) => int_cmp_float(y, x) == Some(std::cmp::Ordering::Greater),
+    }
+}
+
+fn int_cmp_float(i: i64, f: f64) -> Option<std::cmp::Ordering> {
+    if f.is_nan() {
+        return None;
+    }
+    if f >= 9.3e18 {
+        return Some(std::cmp::Ordering::Less);
+    }
+    if f <= -9.3e18 {
+        return Some(std::cmp::Ordering::Greater);
+    }
+    let fl = f.floor();
+    match (i as i128).cmp(&(fl as i128)) {
+        std::cmp::Ordering::Equal => Some(if f > fl { std::cmp::Ordering::Less } else { std::cmp::Ordering::Equal }),
+        o => Some(o),
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Spec {
+    pub name: String,
+    pub ty: PType,
+    pub required: bool,
+    pub has_default: bool,
+    pub default: PVal,
+    pub enum_: Option<Vec<PVal>>,
+    pub min: Option<Num>,
+    pub max: Option<Num>,
+    pub min_length: Option<usize>,
+    pub max_length: Option<usize>,
+    pub pattern: Option<(String, regex::Regex)>,
+}
+
+fn pval_of(v: &Value) -> Option<PVal> {
+    Some(match v {
+        Value::Nil => PVal::Null,
+        Value::Bool(b) => PVal::Bool(*b),
+        Value::Int(_) | Value::UInt(_) => PVal::Int(v.as_i64()?),
+        Value::Float(f) => PVal::Float(*f),
+        Value::Str(s) => PVal::Str(s.clone()),
+        _ => return None,
+    })
+}
+
+fn num_of(v: &Value) -> Option<Option<Num>> {
+    Some(match v {
+        Value::Nil => None,
+        Value::Int(_) | Value::UInt(_) => Some(Num::I(v.as_i64()?)),
+        Value::Float(f) => Some(Num::F(*f)),
+        _ => return None,
+    })
+}
+
+/// A Python `re` pattern the `regex` crate reads the same way, full-match anchored; None = forward.
+pub fn compile_pattern(p: &str) -> Option<regex::Regex> {
+    // Constructs that differ between the two engines (or only exist in one): let Python decide.
+    for bad in ["&&", "--", "~~", "[:", "\\Z", "\\z", "\\A", "{,", "(?<", "(?#", "(?P=", "\\p", "\\P", "\\x{", "\\U", "\\N", "\\u", "\\0", "\\h", "\\K"] {
+        if p.contains(bad) {
+            return None;
+        }
+    }
+    if p.contains(" ") && p.contains("(?x") {
+        return None;
+    }
+    regex::Regex::new(&format!("\\A(?:{p})\\z")).ok()
+}
+
+impl Spec {
+    /// A spec as published in a plan entry; None when a field is malformed or the pattern is not portable.
+    pub fn from_value(v: &Value) -> Option<Spec> {
+        let ty = match v.get("type")?.as_str()? {
+            "int" => PType::Int,
+            "float" => PType::Float,
+            "str" => PType::Str,
+            "bool" => PType::Bool,
+            _ => return None,
+        };
+        let opt_usize = |k: &str| -> Option<Option<usize>> {
+            match v.get(k) {
+                None | Some(Value::Nil) => Some(None),
+                Some(x) => Some(Some(x.as_u64()? as usize)),
+            }
+        };
+        let pattern = match v.get("pattern") {
+            None | Some(Value::Nil) => None,
+            Some(p) => {
+                let p = p.as_str()?;
+                Some((p.to_string(), compile_pattern(p)?))
+            }
+        };
+        let enum_ = match v.get("enum") {
+            None | Some(Value::Nil) => None,
+            Some(e) => Some(e.as_array()?.iter().map(pval_of).collect::<Option<Vec<_>>>()?),
+        };
+        Some(Spec {
+            name: v.get("name")?.as_str()?.to_string(),
+            ty,
+            required: v.get("required").and_then(Value::as_bool).unwrap_or(true),
+            has_default: v.get("has_default").and_then(Value::as_bool).unwrap_or(false),
+            default: v.get("default").map_or(Some(PVal::Null), pval_of)?,
+            enum_,
+            min: v.get("min").map_or(Some(None), num_of)?,
+            max: v.get("max").map_or(Some(None), num_of)?,
+            min_length: opt_usize("min_length")?,
+            max_length: opt_usize("max_length")?,
+            pattern,
+        })
+    }
+}
+
+/// Python's `str.strip()` for ASCII-only text (non-ASCII text never reaches here for non-str types).
+fn strip(s: &str) -> &str {
+    s.trim_matches(|c: char| c == ' ' || ('\t'..='\r').contains(&c) || ('\x1c'..='\x1f').contains(&c))
+}
+
+/// `_convert` for query-string text. Err(Ok(sentence)) = a param error; Err(Err(())) = forward.
+fn convert(spec: &Spec, raw: &str) -> Result<PVal, Result<String, ()>> {
+    if spec.ty != PType::Str && !raw.is_ascii() {
+        return Err(Err(())); // Python's strip()/int()/float() accept Unicode spaces and digits
+    }
+    match spec.ty {
+        PType::Int => {
+            let t = strip(raw);
+            let digits = t.strip_prefix(['+', '-']).unwrap_or(t);
+            if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+                return Err(Ok("must be an integer".into()));
+            }
+            match t.parse::<i64>() {
+                Ok(v) => Ok(PVal::Int(v)),
+                Err(_) => Err(Ok("must be a signed 64-bit integer".into())),
+            }
+        }
+        PType::Float => {
+            let t = strip(raw);
+            if t.contains('_') {
+                return Err(Err(()));
+            }
+            let low = t.to_ascii_lowercase();
+            let body = low.strip_prefix(['+', '-']).unwrap_or(&low);
+            let special = matches!(body, "inf" | "infinity" | "nan");
+            let plain = !body.is_empty()
+                && body.bytes().all(|b| b.is_ascii_digit() || matches!(b, b'.' | b'e' | b'+' | b'-'));
+            if !special && !plain {
+                return Err(Ok("must be a number".into()));
+            }
+            match t.parse::<f64>() {
+                Ok(v) if v.is_finite() => Ok(PVal::Float(v)),
+                Ok(_) => Err(Ok("must be a finite number".into())),
+                Err(_) => Err(Ok("must be a number".into())),
+            }
+        }
+        PType::Bool => {
+            let low = strip(raw).to_ascii_lowercase();
+            match low.as_str() {
+                "true" | "1" | "yes" => Ok(PVal::Bool(true)),
+                "false" | "0" | "no" => Ok(PVal::Bool(false)),
+                _ => Err(Ok("must be a boolean (true/1/yes or false/0/no)".into())),
+            }
+        }
+        PType::Str => {
+            if raw.contains('\0') {
+                return Err(Ok("must not contain NUL characters".into()));
+            }
+            Ok(PVal::Str(raw.to_string()))
+        }
+    }
+}
+
+fn py_eq(a: &PVal, b: &PVal) -> bool {
+    match (a.as_num(), b.as_num()) {
+        (Some(x), Some(y)) => !num_lt(x, y) && !num_lt(y, x) && !matches!((x, y), (Num::F(f), _) | (_, Num::F(f)) if f.is_nan()),
+        _ => a == b,
+    }
+}
+
+fn check_rules(spec: &Spec, v: &PVal) -> Option<String> {
+    if let Some(e) = &spec.enum_ {
+        if !e.iter().any(|x| py_eq(v, x)) {
+            return Some(format!("must be one of {}", e.iter().map(PVal::py_str).collect::<Vec<_>>().join(", ")));
+        }
+    }
+    if let (Some(m), Some(x)) = (spec.min, v.as_num()) {
+        if num_lt(x, m) {
+            return Some(format!("must be at least {}", m.text()));
+        }
+    }
+    if let (Some(m), Some(x)) = (spec.max, v.as_num()) {
+        if num_lt(m, x) {
+            return Some(format!("must be at most {}", m.text()));
+        }
+    }
+    if let (PType::Str, PVal::Str(s)) = (spec.ty, v) {
+        let n = s.chars().count();
+        if let Some(m) = spec.min_length {
+            if n < m {
+                return Some(format!("must be at least {m} characters long"));
+            }
+        }
+        if let Some(m) = spec.max_length {
+            if n > m {
+                return Some(format!("must be at most {m} characters long"));
+            }
+        }
+        if let Some((p, re)) = &spec.pattern {
+            if !re.is_match(s) {
+                return Some(format!("must match the pattern {p}"));
+            }
+        }
+    }
+    None
+}
+
+/// One call's query string, parsed the way Falcon does (keep_blank, no csv), in first-seen order.
+/// None when a name repeats (Python builds a list) or decoding is not plain UTF-8: forward.
+pub fn parse_query(qs: &str) -> Option<Vec<(String, String)>> {
+    let mut out: Vec<(String, String)> = Vec::new();
+    if qs.is_empty() {
+        return Some(out);
+    }
+    let encoded = qs.contains('+') || qs.contains('%');
+    for field in qs.split('&') {
+        let (k, v) = field.split_once('=').unwrap_or((field, ""));
+        if v.is_empty() && k.is_empty() {
+            continue;
+        }
+        let (k, v) = if encoded { (pct_decode(k)?, pct_decode(v)?) } else { (k.to_string(), v.to_string()) };
+        if out.iter().any(|(n, _)| *n == k) {
+            return None;
+        }
+        out.push((k, v));
+    }
+    Some(out)
+}
+
+fn pct_decode(s: &str) -> Option<String> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'+' => out.push(b' '),
+            b'%' => {
+                let h = b.get(i + 1..i + 3)?; // a malformed escape: Falcon keeps it; rare, forward
+                let v = u8::from_str_radix(std::str::from_utf8(h).ok()?, 16).ok()?;
+                if !h.iter().all(u8::is_ascii_hexdigit) {
+                    return None;
+                }
+                out.push(v);
+                i += 2;
+            }
+            c => out.push(c),
+        }
+        i += 1;
+    }
+    String::from_utf8(out).ok() // invalid UTF-8: Falcon substitutes U+FFFD; forward instead
+}
+
+pub const RESERVED: [&str; 6] = ["format", "page", "page_size", "version", "timeout", "stream"];
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Format {
+    Json,
+    Ndjson,
+    Csv,
+}
+
+impl Format {
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Format::Json => "application/json",
+            Format::Ndjson => "application/x-ndjson",
+            Format::Csv => "text/csv; charset=utf-8",
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct CallOptions {
+    pub format: Format,
+    pub page: i64,
+    pub page_size: i64,
+}
+
+fn int_opt(given: &[(String, String)], name: &str, default: i64, lo: i64, hi: Option<i64>) -> Result<i64, Outcome> {
+    let Some((_, raw)) = given.iter().find(|(k, _)| k == name) else { return Ok(default) };
+    if raw.is_empty() {
+        return Ok(default);
+    }
+    if !raw.is_ascii() {
+        return Err(Outcome::Forward("non-ASCII paging value"));
+    }
+    let t = strip(raw);
+    let digits = t.strip_prefix(['+', '-']).unwrap_or(t);
+    let ok = !digits.is_empty()
+        && digits.bytes().all(|b| b.is_ascii_digit() || b == b'_')
+        && !digits.starts_with('_')
+        && !digits.ends_with('_')
+        && !digits.contains("__");
+    if !ok {
+        return Err(ApiError::new(400, "invalid_paging", format!("{name} must be an integer.")).into());
+    }
+    let clean: String = t.chars().filter(|c| *c != '_').collect();
+    let v: i64 = clean.parse().map_err(|_| Outcome::Forward("paging value beyond 64 bits"))?;
+    if v < lo || hi.is_some_and(|h| v > h) {
+        let bound = match hi {
+            Some(h) => format!("between {lo} and {h}"),
+            None => format!("at least {lo}"),
+        };
+        return Err(ApiError::new(400, "invalid_paging", format!("{name} must be {bound}.")).into());
+    }
+    Ok(v)
+}
+
+/// call_options() for the plane: version, timeout and stream are Python's to handle (forward).
+pub fn call_options(given: &[(String, String)], default_page_size: i64, max_page_size: i64) -> Result<CallOptions, Outcome> {
+    for k in ["version", "timeout", "stream"] {
+        if given.iter().any(|(n, _)| n == k) {
+            return Err(Outcome::Forward("version, timeout or stream given"));
+        }
+    }
+    let format = match given.iter().find(|(k, _)| k == "format") {
+        None => Format::Json,
+        Some((_, f)) => match f.to_ascii_lowercase().as_str() {
+            _ if !f.is_ascii() => return Err(Outcome::Forward("non-ASCII format")),
+            "json" => Format::Json,
+            "ndjson" => Format::Ndjson,
+            "csv" => Format::Csv,
+            _ => {
+                let r = str_repr(f).ok_or(Outcome::Forward("format needs Python's repr"))?;
+                return Err(ApiError::new(400, "invalid_format", format!("format must be json, ndjson or csv, not {r}.")).into());
+            }
+        },
+    };
+    let page = int_opt(given, "page", 1, 1, None)?;
+    let page_size = int_opt(given, "page_size", default_page_size, 1, Some(max_page_size))?;
+    if page > i64::MAX / 2 / page_size.max(1) {
+        return Err(Outcome::Forward("page beyond 64-bit offsets"));
+    }
+    Ok(CallOptions { format, page, page_size })
+}
+
+/// bind(): every problem at once, in Python's order (specs, then unknown names in query order).
+pub fn bind(specs: &[Spec], given: &[(String, String)]) -> Result<Vec<(String, PVal)>, Outcome> {
+    let mut errors: Vec<(String, String)> = Vec::new();
+    let mut missing = false;
+    let mut values = Vec::with_capacity(specs.len());
+    let params: Vec<&(String, String)> = given.iter().filter(|(k, _)| !RESERVED.contains(&k.as_str())).collect();
+    for spec in specs {
+        let raw = params.iter().find(|(k, _)| *k == spec.name).map(|(_, v)| v.as_str());
+        match raw {
+            None => {}
+            Some("") if spec.ty != PType::Str => {}
+            Some(raw) => {
+                if raw.len() > 16384 {
+                    return Err(Outcome::Forward("long parameter value (Python's byte limit)"));
+                }
+                match convert(spec, raw) {
+                    Err(Err(())) => return Err(Outcome::Forward("parameter text needs Python's parser")),
+                    Err(Ok(msg)) => errors.push((spec.name.clone(), msg)),
+                    Ok(v) => match check_rules(spec, &v) {
+                        Some(msg) => errors.push((spec.name.clone(), msg)),
+                        None => values.push((spec.name.clone(), v)),
+                    },
+                }
+                continue;
+            }
+        }
+        if spec.has_default {
+            values.push((spec.name.clone(), spec.default.clone()));
+        } else if spec.required {
+            errors.push((spec.name.clone(), "is required".into()));
+            missing = true;
+        } else {
+            values.push((spec.name.clone(), PVal::Null));
+        }
+    }
+    for (k, _) in &params {
+        if !specs.iter().any(|s| s.name == *k) {
+            errors.push((k.clone(), "is not a parameter of this query".into()));
+        }
+    }
+    if errors.is_empty() {
+        return Ok(values);
+    }
+    let only_missing = missing && errors.iter().all(|(_, v)| v == "is required");
+    let code = if only_missing { "param_required" } else { "param_invalid" };
+    let what = errors.iter().map(|(k, v)| format!("{k} {v}")).collect::<Vec<_>>().join("; ");
+    Err(Outcome::Error(ApiError {
+        status: 400,
+        code,
+        message: format!("Fix the parameters and try again: {what}."),
+        extra: Some(Extra::Errors(errors)),
+    }))
+}
+
+/// The 504 body of a statement over its limit (connectors.query_timeout).
+pub fn timeout_error(seconds: f64) -> ApiError {
+    ApiError {
+        status: 504,
+        code: "query_timeout",
+        message: format!("The statement ran longer than its time limit of {} s and was cancelled.", float_g(seconds)),
+        extra: Some(Extra::Timeout(seconds)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(name: &str, ty: PType) -> Spec {
+        Spec { name: name.into(), ty, required: true, has_default: false, default: PVal::Null, enum_: None, min: None,
+               max: None, min_length: None, max_length: None, pattern: None }
+    }
+
+    fn q(s: &str) -> Vec<(String, String)> {
+        parse_query(s).unwrap()
+    }
+
+    fn err_body(r: Result<Vec<(String, PVal)>, Outcome>) -> String {
+        match r {
+            Err(Outcome::Error(e)) => String::from_utf8(e.body("rid1")).unwrap(),
+            other => panic!("expected an error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn required_and_unknown_like_python() {
+        // python: params.bind(specs, {...}, 65536) -> ApiError; json.dumps(err.body("rid1"))
+        let specs = vec![spec("aid", PType::Int), spec("name", PType::Str)];
+        assert_eq!(err_body(bind(&specs, &q(""))),
+            r#"{"error": "Fix the parameters and try again: aid is required; name is required.", "code": "param_required", "request_id": "rid1", "errors": {"aid": "is required", "name": "is required"}}"#);
+        assert_eq!(err_body(bind(&specs, &q("aid=x1&name=a&zz=1&%C3%A9=2"))),
+            "{\"error\": \"Fix the parameters and try again: aid must be an integer; zz is not a parameter of this query; \\u00e9 is not a parameter of this query.\", \"code\": \"param_invalid\", \"request_id\": \"rid1\", \"errors\": {\"aid\": \"must be an integer\", \"zz\": \"is not a parameter of this query\", \"\\u00e9\": \"is not a parameter of this query\"}}");
+        assert_eq!(err_body(bind(&specs, &q("aid=&format=csv"))),
+            r#"{"error": "Fix the parameters and try again: aid is required; name is required.", "code": "param_required", "request_id": "rid1", "errors": {"aid": "is required", "name": "is required"}}"#);
+        let ok = bind(&specs, &q("aid=+42&name=&page=2")).unwrap();
+        assert_eq!(ok, vec![("aid".into(), PVal::Int(42)), ("name".into(), PVal::Str("".into()))]);
+        assert_eq!(err_body(bind(&specs, &q("aid=99999999999999999999&name=x"))),
+            r#"{"error": "Fix the parameters and try again: aid must be a signed 64-bit integer.", "code": "param_invalid", "request_id": "rid1", "errors": {"aid": "must be a signed 64-bit integer"}}"#);
+    }
+
+    #[test]
+    fn rules_like_python() {
+        let mut f = spec("f", PType::Float);
+        f.min = Some(Num::I(0));
+        f.max = Some(Num::F(2.5));
+        let mut e = spec("e", PType::Str);
+        e.enum_ = Some(vec![PVal::Str("a".into()), PVal::Str("b".into())]);
+        let mut s = spec("s", PType::Str);
+        s.min_length = Some(2);
+        s.max_length = Some(3);
+        let mut p = spec("p", PType::Str);
+        p.pattern = Some(("[a-z]+\\d".into(), compile_pattern("[a-z]+\\d").unwrap()));
+        let mut b = spec("b", PType::Bool);
+        b.enum_ = Some(vec![PVal::Bool(true)]);
+        let specs = vec![f, e, s, p, b];
+        assert_eq!(err_body(bind(&specs, &q("f=3&e=c&s=abcd&p=ab1x&b=no"))),
+            r#"{"error": "Fix the parameters and try again: f must be at most 2.5; e must be one of a, b; s must be at most 3 characters long; p must match the pattern [a-z]+\\d; b must be one of True.", "code": "param_invalid", "request_id": "rid1", "errors": {"f": "must be at most 2.5", "e": "must be one of a, b", "s": "must be at most 3 characters long", "p": "must match the pattern [a-z]+\\d", "b": "must be one of True"}}"#);
+        assert_eq!(err_body(bind(&specs, &q("f=-1e-3&e=a&s=x&p=ab1&b=maybe"))),
+            r#"{"error": "Fix the parameters and try again: f must be at least 0; s must be at least 2 characters long; b must be a boolean (true/1/yes or false/0/no).", "code": "param_invalid", "request_id": "rid1", "errors": {"f": "must be at least 0", "s": "must be at least 2 characters long", "b": "must be a boolean (true/1/yes or false/0/no)"}}"#);
+        assert_eq!(err_body(bind(&specs, &q("f=nan&e=a&s=xy&p=ab1&b=1"))),
+            r#"{"error": "Fix the parameters and try again: f must be a finite number.", "code": "param_invalid", "request_id": "rid1", "errors": {"f": "must be a finite number"}}"#);
+        let ok = bind(&specs, &q("f=+2.5&e=b&s=%C3%A9t%C3%A9&p=z9&b=YES")).unwrap();
+        assert_eq!(ok[0].1, PVal::Float(2.5));
+        assert_eq!(ok[2].1, PVal::Str("été".into()));
+        assert_eq!(ok[4].1, PVal::Bool(true));
+        assert_eq!(bind(&specs, &q("f=%D9%A3")), Err(Outcome::Forward("parameter text needs Python's parser")));
+    }
+
+    #[test]
+    fn options_like_python() {
+        let o = call_options(&q("format=CSV&page=2&page_size=5"), 10, 1000).unwrap();
+        assert_eq!((o.format, o.page, o.page_size), (Format::Csv, 2, 5));
+        let e = |qs: &str| match call_options(&q(qs), 10, 1000) {
+            Err(Outcome::Error(e)) => String::from_utf8(e.body("r")).unwrap(),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(e("format=xml"), r#"{"error": "format must be json, ndjson or csv, not 'xml'.", "code": "invalid_format", "request_id": "r"}"#);
+        assert_eq!(e("page=0"), r#"{"error": "page must be at least 1.", "code": "invalid_paging", "request_id": "r"}"#);
+        assert_eq!(e("page_size=1001"), r#"{"error": "page_size must be between 1 and 1000.", "code": "invalid_paging", "request_id": "r"}"#);
+        assert_eq!(e("page=1.5"), r#"{"error": "page must be an integer.", "code": "invalid_paging", "request_id": "r"}"#);
+        assert!(matches!(call_options(&q("stream=true"), 10, 1000), Err(Outcome::Forward(_))));
+        assert_eq!(call_options(&q("page=1_0"), 10, 1000).unwrap().page, 10);
+        assert!(parse_query("a=1&a=2").is_none(), "a repeated name is a list in Python: forward");
+        assert_eq!(q("a&=x&b=&&c=%2B+1"), vec![("a".into(), "".into()), ("".into(), "x".into()), ("b".into(), "".into()), ("c".into(), "+ 1".into())]);
+        let t = String::from_utf8(timeout_error(30.0).body("r")).unwrap();
+        assert_eq!(t, r#"{"error": "The statement ran longer than its time limit of 30 s and was cancelled.", "code": "query_timeout", "request_id": "r", "timeout": 30.0}"#);
+    }
+}
