@@ -109,6 +109,22 @@ _UNSAFE_PREFIXES = {"postgres": ("dblink", "binary_upgrade_", "pg_replication_or
 _CLICKHOUSE_SAFE_TABLE_FUNCS = _names(
     "numbers numbers_mt zeros zeros_mt generaterandom values view null generate_series generateseries format")
 
+# Set-returning functions known to compute rows from their arguments only. Any other function in FROM
+# (a user-defined one may read any table) makes the statement's tables and lineage unknowable.
+_SAFE_FROM_FUNCS = {
+    "postgres": _names("""
+        generate_series exploding_generate_series unnest json_each json_each_text jsonb_each jsonb_each_text
+        json_array_elements json_array_elements_text jsonb_array_elements jsonb_array_elements_text
+        json_to_record json_to_recordset jsonb_to_record jsonb_to_recordset json_populate_record
+        json_populate_recordset jsonb_populate_record jsonb_populate_recordset json_object_keys
+        jsonb_object_keys jsonb_path_query regexp_matches regexp_split_to_table string_to_table
+        generate_subscripts pg_options_to_table json_table j_s_o_n_table xmltable x_m_l_table
+    """),
+    "mysql": _names("json_table j_s_o_n_table"),   # sqlglot names its JSONTable node j_s_o_n_table
+    "sqlite": _names("json_each json_tree generate_series"),
+    "clickhouse": frozenset(),   # ClickHouse table functions are judged by _CLICKHOUSE_SAFE_TABLE_FUNCS
+}
+
 # Functions that change state even inside a SELECT; value = write op.
 _WRITE_FUNCS = {
     "postgres": {"nextval": "sequence", "setval": "sequence", "set_config": "set", "pg_notify": "notify",
@@ -181,6 +197,7 @@ class Analysis:
     __slots__ = (
         "dialect",
         "explain",
+        "from_funcs",
         "has_output",
         "is_write",
         "opaque",
@@ -191,7 +208,8 @@ class Analysis:
         "write_ops",
     )
 
-    def __init__(self, sql, dialect, tree, is_write, write_ops, unsafe, table_refs, opaque, explain, has_output):
+    def __init__(self, sql, dialect, tree, is_write, write_ops, unsafe, table_refs, opaque, explain, has_output,
+                 from_funcs=()):
         self.sql = sql
         self.dialect = dialect
         self.tree = tree                      # sqlglot tree of the statement (for EXPLAIN: the explained one)
@@ -202,6 +220,7 @@ class Analysis:
         self.opaque = opaque                  # str | None: why the tables read cannot be known
         self.explain = explain                # output is a plan, not data
         self.has_output = has_output          # whether rows of data come back (SELECT, RETURNING, ...)
+        self.from_funcs = from_funcs          # functions in FROM not known to be pure (UDFs may read anything)
 
     def __repr__(self) -> str:
         return (f"Analysis(is_write={self.is_write}, write_ops={sorted(self.write_ops)}, unsafe={self.unsafe}, "
@@ -259,7 +278,7 @@ def _classify(sql: str, dialect: str, tree: exp.Expression, depth: int = 0) -> A
         if isinstance(inner, exp.Expression) and not isinstance(inner, exp.Table):
             sub = _classify(sql, dialect, inner, depth + 1)
             return Analysis(sql, dialect, sub.tree, sub.is_write, sub.write_ops, sub.unsafe, sub.table_refs,
-                            sub.opaque, True, False)
+                            sub.opaque, True, False, sub.from_funcs)
         walker = _Walker(dialect)
         walker.walk(tree, frozenset())
         return walker.result(sql, tree, is_write=False, explain=True, has_output=False)
@@ -293,7 +312,7 @@ def _classify_command(sql: str, dialect: str, tree: exp.Command, depth: int) -> 
             raise GovernanceError(400, "invalid_sql", "EXPLAIN without a statement")
         sub = _classify(sql, dialect, _parse_one(body, dialect), depth + 1)
         return Analysis(sql, dialect, sub.tree, sub.is_write, sub.write_ops, sub.unsafe, sub.table_refs,
-                        sub.opaque, True, False)
+                        sub.opaque, True, False, sub.from_funcs)
     if first == "show":
         return Analysis(sql, dialect, tree, False, frozenset(), (), (), "SHOW statements", False, True)
     if first == "replace" and dialect in ("mysql", "sqlite"):
@@ -306,7 +325,7 @@ def _classify_command(sql: str, dialect: str, tree: exp.Command, depth: int) -> 
             sub = _classify(sql, dialect, ins, depth + 1)
             ops = (sub.write_ops - {"insert"}) | {"replace"}
             return Analysis(sql, dialect, ins, True, frozenset(ops), sub.unsafe, sub.table_refs, sub.opaque,
-                            False, sub.has_output)
+                            False, sub.has_output, sub.from_funcs)
     unsafe = ()
     if first in _UNSAFE_COMMANDS or (first == "vacuum" and re.search(r"\binto\b", rest, re.IGNORECASE)) or \
             re.search(r"\bsoname\b|\bplugin\b", rest, re.IGNORECASE) or \
@@ -319,10 +338,11 @@ def _classify_command(sql: str, dialect: str, tree: exp.Command, depth: int) -> 
 class _Walker:
     """One pass over the tree collecting table references (CTE-aware), write ops and unsafe parts."""
 
-    __slots__ = ("dialect", "opaque", "ops", "refs", "unsafe")
+    __slots__ = ("dialect", "from_funcs", "opaque", "ops", "refs", "unsafe")
 
     def __init__(self, dialect: str):
         self.dialect = dialect
+        self.from_funcs: list[str] = []
         self.refs: list[tuple[str | None, str]] = []
         self.ops: set[str] = set()
         self.unsafe: list[str] = []
@@ -332,7 +352,7 @@ class _Walker:
         refs = tuple(dict.fromkeys(self.refs))
         unsafe = tuple(dict.fromkeys(self.unsafe))
         return Analysis(sql, self.dialect, tree, is_write, frozenset(self.ops), unsafe, refs, self.opaque,
-                        explain, has_output)
+                        explain, has_output, tuple(dict.fromkeys(self.from_funcs)))
 
     def walk(self, node, visible: frozenset) -> None:
         if not isinstance(node, exp.Expression):
@@ -393,7 +413,11 @@ class _Walker:
             elif isinstance(this, exp.Func) and d == "sqlite" and func_name(this).startswith("pragma_"):
                 # SQLite's table-valued pragmas are eponymous virtual tables: govern them by name.
                 self.refs.append((None, func_name(this)))
+            elif isinstance(this, exp.Func):
+                self._from_func(this)
             return
+        if isinstance(node, exp.Lateral) and isinstance(node.this, exp.Func):
+            self._from_func(node.this)
         if isinstance(node, exp.Func):
             fname = func_name(node)
             if fname in _UNSAFE_FUNCS[d] or fname.startswith(_UNSAFE_PREFIXES[d]):
@@ -430,6 +454,12 @@ class _Walker:
             self.ops.add(kw[0] if kw else "command")
             self.opaque = self.opaque or "a statement qag cannot parse fully"
             return
+
+    def _from_func(self, func: exp.Func) -> None:
+        fname = func_name(func)
+        if self.dialect != "clickhouse" and fname not in _SAFE_FROM_FUNCS[self.dialect] and \
+                fname not in _UNSAFE_FUNCS[self.dialect] and not fname.startswith(_UNSAFE_PREFIXES[self.dialect]):
+            self.from_funcs.append(fname)
 
     def _ch_settings(self, items) -> None:
         # SELECT ... SETTINGS can lift limits the gateway set on the session (time limit, readonly,

@@ -163,6 +163,11 @@ def plan_governance(*, sql: str, dialect: str, default_schema: str, allowed_tabl
             raise GovernanceError(403, "table_not_allowed",
                                   f"qag cannot tell which tables {a.opaque} read, so a key limited by "
                                   "allowed_tables may not run it", {"tables": []})
+        if a.from_funcs:
+            raise GovernanceError(403, "table_not_allowed",
+                                  f"{', '.join(a.from_funcs)} in FROM may read tables qag cannot see, so a key "
+                                  "limited by allowed_tables may not run it",
+                                  {"tables": [], "functions": list(a.from_funcs)})
         bad = forbidden_tables(tables, parse_allowed(allowed_tables, d, schema))
         if bad:
             names = [table_text(t) for t in bad]
@@ -200,6 +205,10 @@ def _masking(a, d, schema, tables, rules, columns_of):
     if a.opaque:
         raise GovernanceError(403, "mask_unresolvable",
                               f"this key has masking rules and qag cannot trace the columns of {a.opaque}")
+    if a.from_funcs:
+        raise GovernanceError(403, "mask_unresolvable",
+                              f"this key has masking rules and the rows of {', '.join(a.from_funcs)} cannot be "
+                              "traced to their source columns", {"functions": list(a.from_funcs)})
     lineage = Lineage(d, schema, columns_of, lambda ref: next(iter(resolve([ref], d, schema))))
 
     def may_apply(rule):
