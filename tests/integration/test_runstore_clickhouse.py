@@ -50,10 +50,10 @@ def test_a_view_that_missed_the_last_batch_is_repaired_on_recover(ch):
     store = ch()
     store.write_batch("src", recs(500))
     # A crash between the events part and the views' parts: simulated by writing with the views away.
-    for v in ("qag_history_mv", "qag_usage_minute_mv", "qag_recorder_positions_mv"):
+    for v in ("qag_history_mv", "qag_usage_minute_mv"):
         store.client.command(f"DETACH TABLE {v}")
     store.write_batch("src", recs(700, start=500))
-    for v in ("qag_history_mv", "qag_usage_minute_mv", "qag_recorder_positions_mv"):
+    for v in ("qag_history_mv", "qag_usage_minute_mv"):
         store.client.command(f"ATTACH TABLE {v}")
     assert store.counts() == {"qag_events": 1200, "qag_history": 500, "usage_calls": 500}
     assert store.positions("src") == {0: 1200}  # positions() replays the last batch first
@@ -115,8 +115,7 @@ def test_insert_only_user_ddl_text():
     lines = sql.strip().splitlines()
     assert lines[0] == "CREATE USER IF NOT EXISTS qag_writer IDENTIFIED WITH sha256_password BY 's3cret\\'x';"
     writer = [ln for ln in lines if ln.startswith("GRANT") and ln.endswith("TO qag_writer;")]
-    assert writer == ["GRANT INSERT, SELECT ON `runs`.qag_events TO qag_writer;",
-                      "GRANT SELECT ON `runs`.qag_recorder_positions TO qag_writer;"]
+    assert writer == ["GRANT INSERT, SELECT ON `runs`.qag_events TO qag_writer;"]
     # nothing that changes or removes data, for either user
     for word in ("ALTER", "DELETE", "DROP", "TRUNCATE", "ALL", "CREATE TABLE", "OPTIMIZE"):
         assert word not in sql.replace("CREATE USER", "")
