@@ -69,7 +69,7 @@ def decode(payload: bytes) -> RunRecord:
     except Exception as e:  # msgpack raises several unrelated types
         raise RecordError(f"run record is not msgpack: {e}") from None
     if type(t) is not tuple or len(t) < NFIELDS or t[0] != VERSION:
-        raise RecordError("run record is not a version-1 array of %d fields" % NFIELDS)
+        raise RecordError(f"run record is not a version-1 array of {NFIELDS} fields")
     if len(t) > NFIELDS:
         t = t[:NFIELDS]
     return RunRecord._make(t)

@@ -30,8 +30,19 @@ def source_identity(source) -> str:
 class RecorderState:
     """What the recorder publishes after each batch and at least once a second (its heartbeat)."""
 
-    __slots__ = ("source_id", "heartbeat_ns", "last_event_id", "records", "batches", "bad_records",
-                 "errors", "last_error", "positions", "lag_bytes", "started_ns")
+    __slots__ = (
+        "bad_records",
+        "batches",
+        "errors",
+        "heartbeat_ns",
+        "lag_bytes",
+        "last_error",
+        "last_event_id",
+        "positions",
+        "records",
+        "source_id",
+        "started_ns",
+    )
 
     def __init__(self, source_id: str):
         self.source_id = source_id
@@ -102,7 +113,7 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
         while True:
             try:
                 return store.commit(prepared)
-            except Exception as e:  # noqa: BLE001 - any store failure is retried, never dropped
+            except Exception as e:
                 if stop_event.is_set():
                     stop_seen = stop_seen or time.monotonic()
                     if time.monotonic() - stop_seen > stop_grace_s:
@@ -121,7 +132,7 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
 
     def finish(p):
         fut, positions, n = p
-        first, last, _written = fut.result()
+        _first, last, _written = fut.result()
         for slot, pos in positions.items():
             rings[slot].release(pos)
             state.positions[slot] = pos
@@ -138,7 +149,7 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
         if publish is not None:
             try:
                 publish(state)
-            except Exception:  # noqa: BLE001 - a broken observer must not stop recording
+            except Exception:
                 log.exception("recorder publish callback failed")
 
     try:
@@ -210,4 +221,4 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
         writer.shutdown(wait=True)
 
 
-__all__ = ["run_recorder", "RecorderState", "resume_positions", "source_identity"]
+__all__ = ["RecorderState", "resume_positions", "run_recorder", "source_identity"]

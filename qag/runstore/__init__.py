@@ -29,4 +29,4 @@ def open_store(url: str, settings: StoreSettings | None = None, **overrides):
     return SqlRunStore(url, settings)
 
 
-__all__ = ["open_store", "StoreSettings", "IdClock", "id_floor", "id_ms"]
+__all__ = ["IdClock", "StoreSettings", "id_floor", "id_ms", "open_store"]

@@ -5,7 +5,7 @@ import datetime as _dt
 import os
 from dataclasses import dataclass
 
-UTC = _dt.timezone.utc
+UTC = _dt.UTC
 _EPOCH = _dt.datetime(1970, 1, 1, tzinfo=UTC)
 
 # Column order every store's read queries return, mapped to API.md's run fields by run_item().
@@ -23,7 +23,7 @@ class StoreSettings:
     usage_retention_days: int = 400
 
     @classmethod
-    def from_env(cls, **override) -> "StoreSettings":
+    def from_env(cls, **override) -> StoreSettings:
         env = os.environ
         values = dict(
             events_retention_hours=int(env.get("QAG_EVENTS_RETENTION_HOURS", "24")),
@@ -43,7 +43,7 @@ SAMPLE_PRIME = 1000003
 
 
 def sample_threshold(rate: float) -> int:
-    return int(round(rate * SAMPLE_PRIME))
+    return round(rate * SAMPLE_PRIME)
 
 
 def to_us(value) -> int | None:

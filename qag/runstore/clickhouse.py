@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import re
 import struct
-import time
 import urllib.parse
 from collections import defaultdict
 
@@ -71,7 +70,7 @@ def _q(value) -> str:
 
 
 class CHBatch:
-    __slots__ = ("source", "inserts", "positions", "bad", "first", "last", "n")
+    __slots__ = ("bad", "first", "inserts", "last", "n", "positions", "source")
 
     def __init__(self, source, inserts, positions, bad, first, last, n):
         self.source, self.inserts, self.positions, self.bad = source, inserts, positions, bad
@@ -500,4 +499,4 @@ def writer_user_sql(database: str = "default", user: str = "qag_writer", passwor
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["ClickHouseRunStore", "writer_user_sql", "INSERT_COLUMNS"]
+__all__ = ["INSERT_COLUMNS", "ClickHouseRunStore", "writer_user_sql"]

@@ -32,7 +32,7 @@ class IdClock:
     """Mints blocks of ids: first = max(last + 1, id_floor(now)), so ids never repeat or go back
     even when the wall clock steps back (they then run ahead of it until it catches up)."""
 
-    __slots__ = ("last", "_lock", "_clock")
+    __slots__ = ("_clock", "_lock", "last")
 
     def __init__(self, last: int = 0, clock=now_ms):
         self.last = last

@@ -16,7 +16,7 @@ import msgpack
 
 from ..runrecord import NFIELDS, VERSION
 from . import _items
-from ._items import READ_COLUMNS, StoreSettings, fmt_us, run_item  # noqa: F401
+from ._items import READ_COLUMNS, StoreSettings, fmt_us, run_item
 from .eventid import EPOCH_MS, MAX_ID, id_floor, now_ms
 
 _COLS = ("event_id", "at_us", "key_name", "query", "version", "connection_name", "status", "code",
@@ -87,7 +87,7 @@ def _valid(t) -> bool:
 
 
 class PreparedBatch:
-    __slots__ = ("source", "rows", "lines", "positions", "bad")
+    __slots__ = ("bad", "lines", "positions", "rows", "source")
 
     def __init__(self, source, rows, lines, positions, bad):
         self.source, self.rows, self.lines, self.positions, self.bad = source, rows, lines, positions, bad
@@ -164,7 +164,7 @@ class SqlRunStore:
             self.conn = psycopg2.connect(url)
             self.conn.autocommit = False
         else:
-            path = url[len("sqlite:///"):] if url.startswith("sqlite:///") else url
+            path = url.removeprefix("sqlite:///")
             if url.startswith("sqlite:///") and not path.startswith("/"):
                 path = "/" + path
             self.path = path
@@ -267,7 +267,7 @@ class SqlRunStore:
         rows = self._read("SELECT last_event_id FROM qag_event_clock WHERE id = 1")
         return int(rows[0][0]) if rows else 0
 
-    def prepare(self, source: str, chunks) -> "PreparedBatch":
+    def prepare(self, source: str, chunks) -> PreparedBatch:
         """CPU-only half of a write (decode, format), so the recorder can overlap it with the
         previous batch's commit. `chunks` is [(slot, [(pos_after, payload), ...])]."""
         if self.pg:
@@ -294,7 +294,7 @@ class SqlRunStore:
         0 when the batch held no valid record (positions still move past undecodable ones)."""
         return self.commit(self.prepare(source, chunks_of(records)))
 
-    def commit(self, batch: "PreparedBatch") -> tuple[int, int, int]:
+    def commit(self, batch: PreparedBatch) -> tuple[int, int, int]:
         with self._lock:
             if self.pg:
                 try:
@@ -341,7 +341,7 @@ class SqlRunStore:
         return (n, floor_last, n, floor_last)
 
     def _write_pg(self, b):
-        source, rows, pos, n = b.source, b.rows, b.positions, len(b.rows)
+        source, pos, n = b.source, b.positions, len(b.rows)
         hist, usage, posq = self._derived_sql()
         self._pg_alive()
         cur = self.conn.cursor()
@@ -542,7 +542,7 @@ class SqlRunStore:
 class _StrReader:
     """File-like over one str for copy_expert, encoded in 1 MiB slices (no second full copy)."""
 
-    __slots__ = ("_s", "_i")
+    __slots__ = ("_i", "_s")
 
     def __init__(self, s: str):
         self._s = s
@@ -559,4 +559,4 @@ class _StrReader:
     readline = read
 
 
-__all__ = ["SqlRunStore", "StoreSettings", "EPOCH_MS"]
+__all__ = ["EPOCH_MS", "SqlRunStore", "StoreSettings"]

@@ -16,7 +16,6 @@ import pytest
 
 from qag import runrecord as rr
 from qag.runstore import StoreSettings, open_store
-from qag.runstore.eventid import id_floor
 
 PG_ADMIN = os.environ.get("QAG_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 N = 100_000
@@ -88,7 +87,7 @@ def all_events(store, key=None, page=10_000):
 
 
 def test_every_run_once_in_events_history_and_usage(loaded):
-    kind, store, now_us = loaded
+    _kind, store, _now = loaded
     ev = store.all_events
     assert len(ev) == N
     assert len({e["request_id"] for e in ev}) == N
@@ -114,7 +113,7 @@ def test_every_run_once_in_events_history_and_usage(loaded):
 
 
 def test_run_item_fields(loaded):
-    kind, store, now_us = loaded
+    _kind, store, now_us = loaded
     items, _ = store.history(limit=1)
     item = items[0]
     assert list(item) == ["event_id", "at", "query", "version", "key_name", "connection_name", "status", "code",
@@ -128,7 +127,7 @@ def test_run_item_fields(loaded):
 
 
 def test_history_filters(loaded):
-    kind, store, now_us = loaded
+    _kind, store, now_us = loaded
     items, _ = store.history(key="key3", query="q1", limit=1000)
     want = [i for i in range(N) if KEYS[i % 8] == "key3" and i % 5 == 1]
     assert [x["request_id"] for x in items] == [f"req-{i}" for i in reversed(want)][:1000]
@@ -145,7 +144,7 @@ def test_history_filters(loaded):
 
 
 def test_usage_periods_and_partial_minute_edges(loaded):
-    kind, store, now_us = loaded
+    _kind, store, now_us = loaded
     # runs i in [12345, 67890): the window starts and ends inside minutes, so its edges come from events
     since, until = now_us - (N - 12345) * 500, now_us - (N - 67890) * 500
     for per in ("minute", "hour", "day"):
@@ -158,7 +157,7 @@ def test_usage_periods_and_partial_minute_edges(loaded):
 
 
 def test_resuming_from_any_id_misses_none_and_repeats_none(loaded):
-    kind, store, now_us = loaded
+    _kind, store, _now = loaded
     ev = store.all_events
     ids = [e["event_id"] for e in ev]
     rnd = random.Random(5)
@@ -247,7 +246,7 @@ def test_sql_record_with_wrong_types_is_dropped_not_fatal(tmp_path):
         bad = msgpack.packb([1, "yesterday", "k", "q", 1, "c", 200, None, 1, 1, 1, "bad", "worker:0", "http", "/"])
         nul = rr.encode(key_name="a\x00b", request_id="nul")
         recs = [(0, 1, rr.encode(request_id="a")), (0, 2, bad), (0, 3, nul), (0, 4, rr.encode(request_id="b\tc\\d"))]
-        first, last, n = store.write_batch("s", recs)
+        store.write_batch("s", recs)
         assert [e["request_id"] for e in store.events_after(0)] == ["a", "b\tc\\d"]
         assert store.bad_records == 2 and store.positions("s") == {0: 4}
         store.close()

@@ -66,7 +66,7 @@ def test_a_view_that_missed_the_last_batch_is_repaired_on_recover(ch):
 
 def test_ids_resume_above_the_stored_ones_after_a_restart(ch):
     a = ch()
-    first, last, n = a.write_batch("src", recs(10))
+    _first, last, _n = a.write_batch("src", recs(10))
     a.close()
     b = ch()
     f2, _l2, _ = b.write_batch("src", recs(10, start=10))

@@ -1,5 +1,6 @@
 """Event ids: unique, increasing even when the clock steps back, tied to time, below 2**53."""
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from qag.runstore.eventid import EPOCH_MS, MAX_ID, SEQ_BITS, IdClock, id_floor, id_ms
 

@@ -3,7 +3,8 @@ import time
 
 import msgpack
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from qag import runrecord as rr
 
