@@ -113,7 +113,7 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
         while True:
             try:
                 return store.commit(prepared)
-            except Exception as e:
+            except Exception as e:  # any store failure is retried, never dropped
                 if stop_event.is_set():
                     stop_seen = stop_seen or time.monotonic()
                     if time.monotonic() - stop_seen > stop_grace_s:
@@ -149,7 +149,7 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
         if publish is not None:
             try:
                 publish(state)
-            except Exception:
+            except Exception:  # a broken observer must not stop recording
                 log.exception("recorder publish callback failed")
 
     try:
