@@ -252,7 +252,13 @@ class Lineage:
             return self.star(e.this, scope, list(src.cols))
         if isinstance(e, exp.Columns):
             return Unknown(self.scope_all(scope), "COLUMNS(...) matcher")
-        name = e.alias_or_name
+        # The name the server will report, where it is predictable (a column or an alias); None otherwise.
+        if isinstance(e, exp.Alias):
+            name = e.alias
+        elif isinstance(e, exp.Column):
+            name = e.name
+        else:
+            name = None
         return [(name, self.expr(e, scope))]
 
     def star(self, star, scope, cols):

@@ -155,6 +155,20 @@ class CompiledTransforms:
             return columns, self.row_fn(rows)
         return [columns[i] for i in self.keep], self.row_fn(rows)
 
+    def check_names(self, columns, names) -> None:
+        """Refuse a result whose masked positions carry other columns than the plan traced (same width, but
+        the table changed under SELECT *). Compared case-insensitively, after any "t." prefix (ClickHouse), on
+        the first 63 characters (PostgreSQL truncates longer names); positions without a known name pass."""
+        for i, t in enumerate(self.transforms):
+            if t is None or i >= len(names) or names[i] is None or i >= len(columns):
+                continue
+            got = str(columns[i]).rsplit(".", 1)[-1].lower()[:63]
+            want = str(names[i]).rsplit(".", 1)[-1].lower()[:63]
+            if got != want:
+                raise GovernanceError(403, "mask_unresolvable",
+                                      f"result column {i + 1} is {columns[i]!r} but the masking plan traced "
+                                      f"{names[i]!r}; the schema may have changed, rebuild the plan")
+
 
 _compiled: dict = {}
 
@@ -169,11 +183,15 @@ def compile_transforms(transforms, mask_key: bytes) -> CompiledTransforms:
     return c
 
 
-def apply_transforms(transforms, columns, rows, mask_key: bytes):
-    """Apply per-position actions; returns (columns, rows). transforms None → the input, untouched."""
+def apply_transforms(transforms, columns, rows, mask_key: bytes, names=None):
+    """Apply per-position actions; returns (columns, rows). transforms None → the input, untouched.
+    names (optional, the plan's output_names): also check that each masked position holds the column the
+    plan traced, which catches a table changed under SELECT * without a change of width."""
     if transforms is None:
         return columns, rows
     c = _compiled.get((transforms, mask_key)) if type(transforms) is tuple and type(mask_key) is bytes else None
     if c is None:
         c = compile_transforms(transforms, mask_key)
+    if names is not None:
+        c.check_names(columns, names)
     return c(columns, rows)

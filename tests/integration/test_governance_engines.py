@@ -57,8 +57,9 @@ def test_sqlite():
         assert list(plan.transforms) == want(names, sql), sql
     sql = "SELECT * FROM a JOIN b USING (id)"
     cur = c.execute(sql)
-    cols, rows = apply_transforms(gov(sql, "sqlite", "main", columns_of).transforms,
-                                  [d[0] for d in cur.description], cur.fetchall(), KEY)
+    plan = gov(sql, "sqlite", "main", columns_of)
+    cols, rows = apply_transforms(plan.transforms, [d[0] for d in cur.description], cur.fetchall(), KEY,
+                                  names=plan.output_names)
     assert cols == ["id", "email", "x", "email", "note"]
     assert rows == [(1, "a***@x.example", "ax", "a***@y.example", "bn")]
 

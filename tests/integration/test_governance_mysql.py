@@ -94,7 +94,7 @@ def run(conn, sql, plan):
     cur.execute(sql)
     rows = cur.fetchall()
     cols = [d[0] for d in cur.description]
-    return apply_transforms(plan.transforms, cols, rows, KEY)
+    return apply_transforms(plan.transforms, cols, rows, KEY, names=plan.output_names)
 
 
 def test_cross_database_join_needs_both_grants(conn, columns_of):

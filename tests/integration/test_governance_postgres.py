@@ -84,7 +84,7 @@ def run(conn, sql, plan):
         cur.execute(sql)
         rows = cur.fetchall()
         cols = [d[0] for d in cur.description]
-    return apply_transforms(plan.transforms, cols, rows, KEY)
+    return apply_transforms(plan.transforms, cols, rows, KEY, names=plan.output_names)
 
 
 def test_allow_list_by_schema(conn, columns_of):

@@ -151,3 +151,19 @@ def test_speed_budget():
     # ~0.1 us and ~1.5 us on an idle core; bounds leave room for a loaded shared CI machine.
     assert none_us < 3, none_us
     assert hash_us < 60, hash_us
+
+
+def test_names_check_catches_a_reordered_table():
+    tr, names = (None, "mask", None), ("id", "email", None)
+    # Same width, right names (any case, a ClickHouse "t." prefix): passes.
+    assert apply_transforms(tr, ["ID", "c.Email", "upper"], [(1, "a@b.c", "x")], KEY, names=names)[1] == \
+        [(1, "a***@b.c", "x")]
+    # The table changed under SELECT *: email moved, the masked position now holds another column.
+    with pytest.raises(GovernanceError) as info:
+        apply_transforms(tr, ["id", "name", "email"], [(1, "Ann", "a@b.c")], KEY, names=names)
+    assert info.value.code == "mask_unresolvable"
+
+
+def test_names_check_postgres_truncation():
+    long = "x" * 70
+    assert apply_transforms(("hash",), [long[:63]], [(1,)], KEY, names=(long,))[1] == [(h("1"),)]
