@@ -1,0 +1,468 @@
+//! PostgreSQL for the plane: per-thread pools of read-only sessions (startup options
+//! `-c default_transaction_read_only=on -c statement_timeout=<ms>`, as qag/connectors.py), prepared
+//! statements cached per session, parameters sent in text form (PostgreSQL parses them like psycopg2's
+//! quoted literals), and result values decoded from the binary format into what psycopg2 would return.
+
+use crate::entries::ConnEntry;
+use crate::params::PVal;
+use crate::pyfmt::{decimal_str, float_repr};
+use crate::render::{parse_json, Cell};
+use bytes::BytesMut;
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::error::Error as StdError;
+use std::rc::Rc;
+use std::time::Duration;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::types::{FromSql, Format, IsNull, Kind, ToSql, Type};
+use tokio_postgres::{Client, NoTls, Statement};
+
+/// A bound value, sent in text format.
+#[derive(Debug)]
+pub struct Arg(pub Option<String>);
+
+impl ToSql for Arg {
+    fn to_sql(&self, _ty: &Type, out: &mut BytesMut) -> Result<IsNull, Box<dyn StdError + Sync + Send>> {
+        match &self.0 {
+            None => Ok(IsNull::Yes),
+            Some(s) => {
+                out.extend_from_slice(s.as_bytes());
+                Ok(IsNull::No)
+            }
+        }
+    }
+
+    fn accepts(_ty: &Type) -> bool {
+        true
+    }
+
+    fn encode_format(&self, _ty: &Type) -> Format {
+        Format::Text
+    }
+
+    tokio_postgres::types::to_sql_checked!();
+}
+
+/// Any column's raw binary value (None = SQL NULL).
+struct Raw<'a>(Option<&'a [u8]>);
+
+impl<'a> FromSql<'a> for Raw<'a> {
+    fn from_sql(_ty: &Type, raw: &'a [u8]) -> Result<Self, Box<dyn StdError + Sync + Send>> {
+        Ok(Raw(Some(raw)))
+    }
+
+    fn from_sql_null(_ty: &Type) -> Result<Self, Box<dyn StdError + Sync + Send>> {
+        Ok(Raw(None))
+    }
+
+    fn accepts(_ty: &Type) -> bool {
+        true
+    }
+}
+
+/// The text a parameter of PostgreSQL type `ty` gets for value `v`, or None when psycopg2's literal
+/// would behave differently (then the call is forwarded to Python).
+pub fn arg_for(ty: &Type, v: &PVal) -> Option<Arg> {
+    let int_types = [Type::INT2, Type::INT4, Type::INT8];
+    Some(Arg(match v {
+        PVal::Null => None,
+        PVal::Str(s) => Some(s.clone()),
+        PVal::Bool(b) if *ty == Type::BOOL => Some((if *b { "true" } else { "false" }).to_string()),
+        PVal::Int(i) if *ty == Type::INT2 && i16::try_from(*i).is_ok() => Some(i.to_string()),
+        PVal::Int(i) if *ty == Type::INT4 && i32::try_from(*i).is_ok() => Some(i.to_string()),
+        PVal::Int(i) if *ty == Type::INT8 || *ty == Type::NUMERIC => Some(i.to_string()),
+        PVal::Int(i) if (*ty == Type::FLOAT8 || *ty == Type::FLOAT4) && i.unsigned_abs() < (1 << 24) => Some(i.to_string()),
+        PVal::Float(f) if *ty == Type::FLOAT8 || *ty == Type::NUMERIC => Some(float_repr(*f)),
+        _ if int_types.contains(ty) => return None,
+        _ => return None,
+    }))
+}
+
+/// Whether the plane can render a column of this type exactly as psycopg2 + render.py would.
+pub fn column_supported(ty: &Type, tz_utc: bool) -> bool {
+    if matches!(ty.kind(), Kind::Enum(_)) {
+        return true;
+    }
+    [
+        Type::BOOL, Type::BYTEA, Type::CHAR, Type::NAME, Type::INT8, Type::INT2, Type::INT4, Type::TEXT, Type::OID,
+        Type::JSON, Type::FLOAT4, Type::FLOAT8, Type::BPCHAR, Type::VARCHAR, Type::DATE, Type::TIME, Type::TIMESTAMP,
+        Type::NUMERIC, Type::UUID, Type::JSONB, Type::XML,
+    ]
+    .contains(ty)
+        || (*ty == Type::TIMESTAMPTZ && tz_utc)
+}
+
+pub fn is_json(ty: &Type) -> bool {
+    *ty == Type::JSON || *ty == Type::JSONB
+}
+
+fn be_i64(b: &[u8]) -> Option<i64> {
+    Some(i64::from_be_bytes(b.try_into().ok()?))
+}
+
+/// Days since 1970-01-01 to (year, month, day) (proleptic Gregorian).
+fn civil(days: i64) -> (i64, u32, u32) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
+    let y = yoe + era * 400;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    (if m <= 2 { y + 1 } else { y }, m, d)
+}
+
+const PG_EPOCH_DAYS: i64 = 10_957; // 2000-01-01 in days since 1970-01-01
+
+fn date_text(pg_days: i64) -> Option<String> {
+    let (y, m, d) = civil(pg_days + PG_EPOCH_DAYS);
+    if !(1..=9999).contains(&y) {
+        return None; // psycopg2 raises for dates outside Python's range
+    }
+    Some(format!("{y:04}-{m:02}-{d:02}"))
+}
+
+/// datetime.time.isoformat(): HH:MM:SS, then .ffffff when microseconds are non-zero.
+fn time_text(us: i64) -> String {
+    let (s, frac) = (us.div_euclid(1_000_000), us.rem_euclid(1_000_000));
+    let t = format!("{:02}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60);
+    if frac == 0 {
+        t
+    } else {
+        format!("{t}.{frac:06}")
+    }
+}
+
+fn timestamp_text(us: i64) -> Option<String> {
+    if us == i64::MAX || us == i64::MIN {
+        return None; // infinity
+    }
+    let days = us.div_euclid(86_400_000_000);
+    let rest = us.rem_euclid(86_400_000_000);
+    Some(format!("{}T{}", date_text(days)?, time_text(rest)))
+}
+
+/// PostgreSQL's binary numeric to (str(Decimal), JSON/CSV text); None for NaN and infinities.
+pub fn numeric_texts(b: &[u8]) -> Option<(String, String)> {
+    if b.len() < 8 {
+        return None;
+    }
+    let ndigits = u16::from_be_bytes([b[0], b[1]]) as usize;
+    let weight = i16::from_be_bytes([b[2], b[3]]) as i64;
+    let sign = u16::from_be_bytes([b[4], b[5]]);
+    let dscale = u16::from_be_bytes([b[6], b[7]]) as usize;
+    if sign != 0 && sign != 0x4000 || b.len() != 8 + 2 * ndigits {
+        return None;
+    }
+    let digit = |i: i64| -> u16 {
+        if i >= 0 && (i as usize) < ndigits {
+            u16::from_be_bytes([b[8 + 2 * i as usize], b[9 + 2 * i as usize]])
+        } else {
+            0
+        }
+    };
+    let mut int_part = String::new();
+    if weight >= 0 {
+        for i in 0..=weight {
+            let d = digit(i);
+            if int_part.is_empty() {
+                if d != 0 {
+                    int_part = d.to_string();
+                }
+            } else {
+                int_part.push_str(&format!("{d:04}"));
+            }
+        }
+    }
+    if int_part.is_empty() {
+        int_part.push('0');
+    }
+    let mut frac = String::new();
+    let mut i = weight + 1;
+    while frac.len() < dscale {
+        frac.push_str(&format!("{:04}", digit(i)));
+        i += 1;
+    }
+    frac.truncate(dscale);
+    let neg = sign == 0x4000;
+    let text = decimal_str(neg, &int_part, &frac);
+    let integral = frac.bytes().all(|c| c == b'0');
+    let num = if integral {
+        let v: i128 = int_part.parse().ok()?;
+        if v < (1i128 << 63) {
+            let v = if neg { -v } else { v };
+            v.to_string()
+        } else {
+            float_repr(format!("{}{}", if neg { "-" } else { "" }, int_part).parse::<f64>().ok()?)
+        }
+    } else {
+        let f: f64 = format!("{}{}.{}", if neg { "-" } else { "" }, int_part, frac).parse().ok()?;
+        if !f.is_finite() {
+            return None;
+        }
+        float_repr(f)
+    };
+    Some((text, num))
+}
+
+fn hex(b: &[u8]) -> String {
+    let mut s = String::with_capacity(b.len() * 2);
+    for x in b {
+        s.push_str(&format!("{x:02x}"));
+    }
+    s
+}
+
+/// One binary value as psycopg2 would return it; None when the plane cannot reproduce it exactly.
+pub fn decode(ty: &Type, raw: Option<&[u8]>) -> Option<Cell> {
+    let Some(b) = raw else { return Some(Cell::Null) };
+    let text = || std::str::from_utf8(b).ok().map(str::to_string);
+    Some(match *ty {
+        Type::BOOL => Cell::Bool(*b.first()? != 0),
+        Type::INT2 => Cell::Int(i16::from_be_bytes(b.try_into().ok()?) as i64),
+        Type::INT4 => Cell::Int(i32::from_be_bytes(b.try_into().ok()?) as i64),
+        Type::OID => Cell::Int(u32::from_be_bytes(b.try_into().ok()?) as i64),
+        Type::INT8 => Cell::Int(be_i64(b)?),
+        Type::FLOAT4 => {
+            let f = f32::from_be_bytes(b.try_into().ok()?);
+            // psycopg2 parses PostgreSQL's shortest text of the float4: the same digits, read as a double
+            Cell::Float(if f.is_finite() { format!("{f}").parse().ok()? } else { f as f64 })
+        }
+        Type::FLOAT8 => Cell::Float(f64::from_be_bytes(b.try_into().ok()?)),
+        Type::NUMERIC => {
+            let (text, num) = numeric_texts(b)?;
+            Cell::Decimal { text, num }
+        }
+        Type::BYTEA => Cell::Str(hex(b)),
+        Type::UUID => {
+            let h = hex(b);
+            if h.len() != 32 {
+                return None;
+            }
+            Cell::Str(format!("{}-{}-{}-{}-{}", &h[..8], &h[8..12], &h[12..16], &h[16..20], &h[20..]))
+        }
+        Type::DATE => {
+            let d = i32::from_be_bytes(b.try_into().ok()?);
+            if d == i32::MAX || d == i32::MIN {
+                return None;
+            }
+            Cell::Str(date_text(d as i64)?)
+        }
+        Type::TIME => Cell::Str(time_text(be_i64(b)?)),
+        Type::TIMESTAMP => Cell::Str(timestamp_text(be_i64(b)?)?),
+        Type::TIMESTAMPTZ => Cell::Str(format!("{}+00:00", timestamp_text(be_i64(b)?)?)),
+        Type::JSON => Cell::Json(parse_json(&text()?)?),
+        Type::JSONB => {
+            if b.first() != Some(&1) {
+                return None;
+            }
+            Cell::Json(parse_json(std::str::from_utf8(&b[1..]).ok()?)?)
+        }
+        _ => Cell::Str(text()?), // text, varchar, bpchar, name, "char", xml, enums: their text
+    })
+}
+
+/// How a statement failed, in the terms the request path answers with.
+#[derive(Debug)]
+pub enum ExecError {
+    /// The database rejected the statement (500 query_failed).
+    Rejected,
+    /// statement_timeout (504 query_timeout).
+    Timeout,
+    /// Connection trouble, an unexpected value, anything Python should answer: forward.
+    Forward(&'static str),
+}
+
+pub struct Session {
+    client: Client,
+    stmts: HashMap<String, Statement>,
+    pub tz_utc: bool,
+}
+
+/// Pool key: everything that defines a session; a changed connection entry makes a new pool.
+#[derive(Clone, PartialEq, Debug)]
+pub struct SessionSpec {
+    pub conn: ConnEntry,
+    pub password: Option<String>,
+    pub timeout_ms: u64,
+}
+
+pub struct Pool {
+    pub spec: SessionSpec,
+    idle: Vec<Session>,
+}
+
+const POOL_IDLE_MAX: usize = 64;
+
+thread_local! {
+    static POOLS: RefCell<HashMap<String, Rc<RefCell<Pool>>>> = RefCell::new(HashMap::new());
+}
+
+pub fn pool_for(spec: &SessionSpec) -> Rc<RefCell<Pool>> {
+    POOLS.with(|p| {
+        let mut pools = p.borrow_mut();
+        if let Some(pool) = pools.get(&spec.conn.name) {
+            if pool.borrow().spec == *spec {
+                return pool.clone();
+            }
+        }
+        let pool = Rc::new(RefCell::new(Pool { spec: spec.clone(), idle: Vec::new() }));
+        pools.insert(spec.conn.name.clone(), pool.clone());
+        pool
+    })
+}
+
+async fn connect(spec: &SessionSpec) -> Result<Session, ExecError> {
+    let c = &spec.conn;
+    let mut cfg = tokio_postgres::Config::new();
+    cfg.host(&c.host).port(c.port).application_name("qag").connect_timeout(Duration::from_secs(3));
+    if let Some(u) = &c.user {
+        cfg.user(u);
+    } else {
+        cfg.user(&std::env::var("USER").unwrap_or_else(|_| "postgres".into()));
+    }
+    if let Some(d) = &c.database {
+        cfg.dbname(d);
+    }
+    if let Some(p) = &spec.password {
+        cfg.password(p);
+    }
+    let mut opts = vec![format!("-c statement_timeout={}", spec.timeout_ms), "-c default_transaction_read_only=on".to_string()];
+    if let Some(sp) = c.options.get("schema").or_else(|| c.options.get("search_path")) {
+        opts.push(format!("-c search_path={}", sp.replace([' ', '\\'], "")));
+    }
+    cfg.options(opts.join(" "));
+    let (client, conn) = cfg.connect(NoTls).await.map_err(|_| ExecError::Forward("cannot connect"))?;
+    let tz = conn.parameter("TimeZone").unwrap_or("").to_ascii_lowercase();
+    let tz_utc = matches!(tz.as_str(), "utc" | "etc/utc" | "gmt" | "etc/gmt" | "universal" | "zulu" | "etc/universal" | "etc/zulu" | "uct" | "etc/uct" | "gmt0" | "etc/gmt0" | "greenwich");
+    tokio::task::spawn_local(async move {
+        let _ = conn.await;
+    });
+    Ok(Session { client, stmts: HashMap::new(), tz_utc })
+}
+
+/// A checked-out session; goes back to its pool on `release`, dropped (closed) otherwise.
+pub struct Lease {
+    pool: Rc<RefCell<Pool>>,
+    pub session: Session,
+}
+
+impl Lease {
+    pub async fn get(pool: Rc<RefCell<Pool>>) -> Result<Lease, ExecError> {
+        let idle = pool.borrow_mut().idle.pop();
+        let session = match idle {
+            Some(s) if !s.client.is_closed() => s,
+            _ => {
+                let spec = pool.borrow().spec.clone();
+                connect(&spec).await?
+            }
+        };
+        Ok(Lease { pool, session })
+    }
+
+    pub fn release(self) {
+        let mut p = self.pool.borrow_mut();
+        if p.idle.len() < POOL_IDLE_MAX && !self.session.client.is_closed() {
+            p.idle.push(self.session);
+        }
+    }
+
+    /// The prepared statement for `sql` (cached per session); Err on any failure (forward: a prepare
+    /// error can differ from what psycopg2's literal-bound execution reports).
+    pub async fn prepare(&mut self, sql: &str) -> Result<Statement, ExecError> {
+        if let Some(s) = self.session.stmts.get(sql) {
+            return Ok(s.clone());
+        }
+        let st = self.session.client.prepare(sql).await.map_err(|_| ExecError::Forward("prepare failed"))?;
+        if self.session.stmts.len() > 256 {
+            self.session.stmts.clear();
+        }
+        self.session.stmts.insert(sql.to_string(), st.clone());
+        Ok(st)
+    }
+
+    /// Execute; rows of cells in select-list order.
+    pub async fn query(&self, st: &Statement, args: &[Arg]) -> Result<Vec<Vec<Cell>>, ExecError> {
+        let params: Vec<&(dyn ToSql + Sync)> = args.iter().map(|a| a as &(dyn ToSql + Sync)).collect();
+        let rows = match self.session.client.query(st, &params).await {
+            Ok(r) => r,
+            Err(e) => {
+                return Err(match e.as_db_error() {
+                    Some(db) if *db.code() == SqlState::QUERY_CANCELED => ExecError::Timeout,
+                    Some(db) if db.code().code().starts_with("08") || db.code().code().starts_with("57P") => {
+                        ExecError::Forward("connection lost")
+                    }
+                    Some(_) => ExecError::Rejected,
+                    None => ExecError::Forward("connection lost"),
+                })
+            }
+        };
+        let cols = st.columns();
+        let mut out = Vec::with_capacity(rows.len());
+        for r in &rows {
+            let mut cells = Vec::with_capacity(cols.len());
+            for (i, c) in cols.iter().enumerate() {
+                let raw: Raw = r.try_get(i).map_err(|_| ExecError::Forward("value decode"))?;
+                cells.push(decode(c.type_(), raw.0).ok_or(ExecError::Forward("value the plane cannot render"))?);
+            }
+            out.push(cells);
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn numeric(ndigits: &[u16], weight: i16, neg: bool, dscale: u16) -> Vec<u8> {
+        let mut b = Vec::new();
+        b.extend_from_slice(&(ndigits.len() as u16).to_be_bytes());
+        b.extend_from_slice(&weight.to_be_bytes());
+        b.extend_from_slice(&(if neg { 0x4000u16 } else { 0 }).to_be_bytes());
+        b.extend_from_slice(&dscale.to_be_bytes());
+        for d in ndigits {
+            b.extend_from_slice(&d.to_be_bytes());
+        }
+        b
+    }
+
+    #[test]
+    fn numerics_like_psycopg2_decimal() {
+        // 12.50 -> Decimal('12.50'): JSON 12.5
+        assert_eq!(numeric_texts(&numeric(&[12, 5000], 0, false, 2)), Some(("12.50".into(), "12.5".into())));
+        // 1000 (weight 0 digits [1000]) -> int
+        assert_eq!(numeric_texts(&numeric(&[1000], 0, false, 0)), Some(("1000".into(), "1000".into())));
+        // 123456789.00 -> 123456789 (integral)
+        assert_eq!(numeric_texts(&numeric(&[1, 2345, 6789], 2, false, 2)), Some(("123456789.00".into(), "123456789".into())));
+        // -0.0000001 -> Decimal('-1E-7') -> float -1e-07
+        assert_eq!(numeric_texts(&numeric(&[0, 1000], -1, true, 7)).unwrap().0, "-1E-7");
+        assert_eq!(numeric_texts(&numeric(&[1000], -2, true, 7)), Some(("-1E-7".into(), "-1e-07".into())));
+        // 0 with scale 2
+        assert_eq!(numeric_texts(&numeric(&[], 0, false, 2)), Some(("0.00".into(), "0".into())));
+        // 10000000000000000000 (2^63 < v): float
+        assert_eq!(numeric_texts(&numeric(&[1000], 4, false, 0)), Some(("10000000000000000000".into(), "1e+19".into())));
+    }
+
+    #[test]
+    fn dates_and_times_like_isoformat() {
+        assert_eq!(date_text(0).unwrap(), "2000-01-01");
+        assert_eq!(date_text(-1).unwrap(), "1999-12-31");
+        assert_eq!(date_text(9_830).unwrap(), "2026-11-30");
+        assert_eq!(timestamp_text(0).unwrap(), "2000-01-01T00:00:00");
+        assert_eq!(timestamp_text(849_337_193_123_000).unwrap(), "2026-11-30T06:59:53.123000");
+        assert_eq!(timestamp_text(-1).unwrap(), "1999-12-31T23:59:59.999999");
+        assert_eq!(time_text(25_193_000_001), "06:59:53.000001");
+        assert!(date_text(-800_000).is_none());
+    }
+
+    #[test]
+    fn float4_like_psycopg2() {
+        let c = decode(&Type::FLOAT4, Some(&0.1f32.to_be_bytes())).unwrap();
+        assert_eq!(c, Cell::Float(0.1));
+        let c = decode(&Type::UUID, Some(&[0x12, 0x34, 0x56, 0x78, 0x9a, 0xbc, 0xde, 0xf0, 0, 1, 2, 3, 4, 5, 6, 7])).unwrap();
+        assert_eq!(c, Cell::Str("12345678-9abc-def0-0001-020304050607".into()));
+    }
+}

@@ -1,0 +1,574 @@
+//! HTTP: one current-thread runtime per plane thread (SO_REUSEPORT listeners, pinned), the request path
+//! of `GET /q/<name>` mirroring qag/app.py's DataResource.serve, and forwarding of everything else to
+//! gunicorn over kept-alive HTTP/1.1 connections.
+
+use crate::entries::{ConnEntry, KeyEntry, PlanEntry, PlanLookup};
+use crate::mask::{self, Action};
+use crate::msgpack::Enc;
+use crate::params::{self, ApiError, Format, Outcome};
+use crate::pg::{self, ExecError, Lease, SessionSpec};
+use crate::render;
+use crate::segment::{Segment, KIND_COUNTER, KIND_HISTOGRAM};
+use bytes::Bytes;
+use http_body_util::{Either, Full};
+use hyper::body::Incoming;
+use hyper::header::{HeaderName, HeaderValue};
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use sha2::{Digest, Sha256};
+use std::cell::{Cell as StdCell, RefCell};
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+pub type Body = Either<Full<Bytes>, Incoming>;
+
+pub const ROUTE: &str = "/q/{name}";
+pub const UNAUTHORIZED: &str = "Give a valid, active API key in the X-API-Key header.";
+pub const QUERY_FAILED: &str = "The database rejected the statement; an administrator can see why in the run history.";
+
+#[derive(Clone, Debug)]
+pub enum Upstream {
+    Unix(String),
+    Tcp(String),
+}
+
+impl Upstream {
+    pub fn parse(s: &str) -> Upstream {
+        match s.strip_prefix("unix:") {
+            Some(p) => Upstream::Unix(p.to_string()),
+            None => Upstream::Tcp(s.to_string()),
+        }
+    }
+}
+
+/// Counter cells of the plane's slot, by series, and the ring: one writer at a time (N1, R*).
+#[derive(Default)]
+struct Producer {
+    cells: HashMap<String, Option<u32>>,
+}
+
+pub struct Shared {
+    pub seg: Segment,
+    pub slot: usize,
+    pub upstream: Upstream,
+    pub home: String,
+    pub mask_key: Option<Vec<u8>>,
+    pub admin_key: Option<String>,
+    pub record_wait_ms: u64,
+    producer: Mutex<Producer>,
+}
+
+impl Shared {
+    pub fn new(seg: Segment, slot: usize, upstream: Upstream, home: String, mask_key: Option<Vec<u8>>,
+               admin_key: Option<String>, record_wait_ms: u64) -> Shared {
+        Shared { seg, slot, upstream, home, mask_key, admin_key, record_wait_ms, producer: Mutex::new(Producer::default()) }
+    }
+}
+
+/// One call's run record (qag/runrecord.py field order), written by `record`.
+struct Run {
+    at_us: i64,
+    key_name: Option<String>,
+    query: String,
+    version: Option<i64>,
+    connection: Option<String>,
+    status: u16,
+    code: Option<&'static str>,
+    rows: i64,
+    bytes: i64,
+    request_id: String,
+}
+
+fn now_us() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_micros() as i64).unwrap_or(0)
+}
+
+thread_local! {
+    static RNG: StdCell<u64> = StdCell::new(seed());
+    static UPSTREAM: RefCell<Vec<hyper::client::conn::http1::SendRequest<Incoming>>> = const { RefCell::new(Vec::new()) };
+    static PASSWORDS: RefCell<HashMap<(String, u64), Option<String>>> = RefCell::new(HashMap::new());
+}
+
+fn seed() -> u64 {
+    let mut b = [0u8; 8];
+    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
+        use std::io::Read;
+        let _ = f.read_exact(&mut b);
+    }
+    u64::from_le_bytes(b) ^ now_us() as u64
+}
+
+/// secrets.token_hex(8)-shaped request id (splitmix64 from a urandom seed).
+fn mint_request_id() -> String {
+    RNG.with(|r| {
+        let mut z = r.get().wrapping_add(0x9E37_79B9_7F4A_7C15);
+        r.set(z);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        format!("{:016x}", z ^ (z >> 31))
+    })
+}
+
+fn request_id(req: &Request<Incoming>) -> String {
+    if let Some(v) = single_header(req, "x-request-id") {
+        if !v.is_empty() && v.len() <= 64 && v.bytes().all(|b| b.is_ascii_alphanumeric() || b".:_-".contains(&b)) {
+            return v.to_string();
+        }
+    }
+    mint_request_id()
+}
+
+fn single_header<'a>(req: &'a Request<Incoming>, name: &str) -> Option<&'a str> {
+    let mut it = req.headers().get_all(name).iter();
+    let v = it.next()?;
+    if it.next().is_some() {
+        return None;
+    }
+    v.to_str().ok()
+}
+
+impl Shared {
+    fn cell(&self, p: &mut Producer, kind: u8, name: &str, labels: &[(&str, &str)]) -> Option<u32> {
+        let mut key = String::from(name);
+        for (k, v) in labels {
+            key.push('|');
+            key.push_str(k);
+            key.push('=');
+            key.push_str(v);
+        }
+        if let Some(c) = p.cells.get(&key) {
+            return *c;
+        }
+        let c = match self.seg.series_cell(kind, name, labels) {
+            Ok(c) => Some(c),
+            Err(e) => {
+                eprintln!("qag-plane: metric {name} not counted: {e}");
+                None
+            }
+        };
+        p.cells.insert(key, c);
+        c
+    }
+
+    /// Observer.request + RingRecorder: count the call in our slot, push the run into our ring.
+    async fn finish(&self, run: Run, t0: Instant, query_seconds: Option<f64>, plan_hit: Option<bool>) {
+        let duration = t0.elapsed().as_secs_f64();
+        let mut e = Enc::default();
+        e.array(15);
+        e.uint(1);
+        e.int(run.at_us);
+        e.opt_str(run.key_name.as_deref());
+        e.str(&run.query);
+        e.opt_int(run.version);
+        e.opt_str(run.connection.as_deref());
+        e.uint(run.status as u64);
+        e.opt_str(run.code);
+        e.int(run.rows);
+        e.int((duration * 1e6) as i64);
+        e.int(run.bytes);
+        e.str(&run.request_id);
+        e.str("plane");
+        e.str("http");
+        e.str(ROUTE);
+        let payload = e.0;
+        let slot = self.slot;
+        {
+            let mut p = self.producer.lock().unwrap_or_else(|e| e.into_inner());
+            let status = run.status.to_string();
+            let seg = &self.seg;
+            if let Some(c) = self.cell(&mut p, KIND_COUNTER, "qag_requests_total", &[("route", ROUTE), ("status", &status)]) {
+                seg.cell_add(slot, c, 1.0);
+            }
+            if let Some(code) = run.code {
+                if let Some(c) = self.cell(&mut p, KIND_COUNTER, "qag_errors_total", &[("code", code)]) {
+                    seg.cell_add(slot, c, 1.0);
+                }
+            }
+            if run.rows != 0 {
+                if let Some(c) = self.cell(&mut p, KIND_COUNTER, "qag_rows_total", &[]) {
+                    seg.cell_add(slot, c, run.rows as f64);
+                }
+            }
+            if let Some(c) = self.cell(&mut p, KIND_HISTOGRAM, "qag_request_duration_seconds", &[("route", ROUTE)]) {
+                seg.histogram_observe(slot, c, duration);
+            }
+            if let Some(q) = query_seconds {
+                if let Some(c) = self.cell(&mut p, KIND_HISTOGRAM, "qag_query_duration_seconds", &[]) {
+                    seg.histogram_observe(slot, c, q);
+                }
+            }
+            if let Some(hit) = plan_hit {
+                if let Some(c) = self.cell(&mut p, KIND_COUNTER, "qag_plan_cache_total", &[("result", if hit { "hit" } else { "miss" })]) {
+                    seg.cell_add(slot, c, 1.0);
+                }
+            }
+        }
+        let deadline = Instant::now() + Duration::from_millis(self.record_wait_ms);
+        let mut pause = Duration::from_micros(100);
+        let ok = loop {
+            let pushed = {
+                let _p = self.producer.lock().unwrap_or_else(|e| e.into_inner());
+                self.seg.ring_push(slot, &payload)
+            };
+            if pushed {
+                break true;
+            }
+            if Instant::now() >= deadline {
+                break false;
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(2));
+        };
+        let mut p = self.producer.lock().unwrap_or_else(|e| e.into_inner());
+        let name = if ok { "qag_runs_recorded_total" } else { "qag_runs_lost_total" };
+        if let Some(c) = self.cell(&mut p, KIND_COUNTER, name, &[]) {
+            self.seg.cell_add(slot, c, 1.0);
+        }
+    }
+}
+
+fn error_response(err: &ApiError, rid: &str) -> Response<Body> {
+    let body = err.body(rid);
+    let mut r = Response::new(Either::Left(Full::new(Bytes::from(body))));
+    *r.status_mut() = StatusCode::from_u16(err.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let h = r.headers_mut();
+    h.insert("content-type", HeaderValue::from_static("application/json"));
+    h.insert("x-request-id", HeaderValue::from_str(rid).unwrap_or(HeaderValue::from_static("-")));
+    h.insert("cache-control", HeaderValue::from_static("no-store"));
+    r
+}
+
+/// What the plane decided for a request it looked at.
+enum Decision {
+    Answer(Response<Body>),
+    Forward,
+}
+
+fn is_query_name(n: &str) -> bool {
+    !n.is_empty() && n.len() <= 200 && n.bytes().all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b))
+}
+
+fn password_for(home: &str, conn: &ConnEntry) -> Option<Option<String>> {
+    PASSWORDS.with(|p| {
+        let key = (conn.name.clone(), conn.gen);
+        if let Some(v) = p.borrow().get(&key) {
+            return Some(v.clone());
+        }
+        let path = format!("{home}/plane/conn-{}.secret", conn.name);
+        let v = match std::fs::read(&path) {
+            Ok(b) => Some(String::from_utf8(b).ok()?),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(_) => return None,
+        };
+        p.borrow_mut().insert(key, v.clone());
+        Some(v)
+    })
+}
+
+fn stage(stages: &mut Vec<(&'static str, f64)>, name: &'static str, since: Instant) -> Instant {
+    let now = Instant::now();
+    stages.push((name, (now - since).as_secs_f64()));
+    now
+}
+
+/// DataResource.serve for the calls the plane can answer exactly as Python would.
+async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Option<IpAddr>) -> Decision {
+    let path = req.uri().path();
+    let name = &path[3..];
+    if !is_query_name(name) {
+        return Decision::Forward;
+    }
+    let Some(secret) = single_header(req, "x-api-key") else { return Decision::Forward };
+    if secret.is_empty() || sh.admin_key.as_deref() == Some(secret) {
+        return Decision::Forward;
+    }
+    let Some(given) = params::parse_query(req.uri().query().unwrap_or("")) else { return Decision::Forward };
+    let t0 = Instant::now();
+    let mut stages = Vec::with_capacity(6);
+    let hash: String = Sha256::digest(secret.as_bytes()).iter().map(|b| format!("{b:02x}")).collect();
+    let Some(key) = KeyEntry::load(&sh.seg, &hash) else { return Decision::Forward };
+    if key.rate_limited {
+        return Decision::Forward;
+    }
+    let rid = request_id(req);
+    let mut run = Run {
+        at_us: now_us(),
+        key_name: None,
+        query: name.to_string(),
+        version: None,
+        connection: None,
+        status: 200,
+        code: None,
+        rows: 0,
+        bytes: 0,
+        request_id: rid.clone(),
+    };
+    if !key.allows(now_us(), peer) {
+        let err = ApiError::new(401, "unauthorized", UNAUTHORIZED);
+        run.status = 401;
+        run.code = Some("unauthorized");
+        sh.finish(run, t0, None, None).await;
+        return Decision::Answer(error_response(&err, &rid));
+    }
+    let plan = match PlanEntry::load(&sh.seg, &key.name, name) {
+        PlanLookup::Hit(p) => p,
+        _ => return Decision::Forward,
+    };
+    if plan.dialect != "postgres" || plan.is_write || plan.paged_sql(1, 1).is_none() {
+        return Decision::Forward;
+    }
+    if plan.transforms.as_ref().is_some_and(|t| t.contains(&Action::Hash)) && sh.mask_key.is_none() {
+        return Decision::Forward;
+    }
+    let Some(conn) = ConnEntry::load(&sh.seg, &plan.connection) else { return Decision::Forward };
+    if conn.db != "postgres" || conn.options.contains_key("sslmode") {
+        return Decision::Forward;
+    }
+    let Some(password) = password_for(&sh.home, &conn) else { return Decision::Forward };
+    run.key_name = Some(key.name.clone());
+    let fail = |mut run: Run, err: ApiError, plan_hit: Option<bool>, q: Option<f64>| async move {
+        run.status = err.status;
+        run.code = Some(err.code);
+        let rid = run.request_id.clone();
+        sh.finish(run, t0, q, plan_hit).await;
+        Decision::Answer(error_response(&err, &rid))
+    };
+    let opts = match params::call_options(&given, plan.default_page_size, plan.max_page_size) {
+        Ok(o) => o,
+        Err(Outcome::Forward(_)) => return Decision::Forward,
+        Err(Outcome::Error(e)) => return fail(run, e, None, None).await,
+    };
+    let t = stage(&mut stages, "auth", t0);
+    run.version = Some(plan.version);
+    run.connection = Some(plan.connection.clone());
+    let t = stage(&mut stages, "plan", t);
+    let values = match params::bind(&plan.specs, &given) {
+        Ok(v) => v,
+        Err(Outcome::Forward(_)) => return Decision::Forward,
+        Err(Outcome::Error(e)) => return fail(run, e, Some(true), None).await,
+    };
+    let mut bound = Vec::with_capacity(plan.arg_names.len());
+    for n in &plan.arg_names {
+        match values.iter().find(|(k, _)| k == n) {
+            Some((_, v)) => bound.push(v.clone()),
+            None => return Decision::Forward,
+        }
+    }
+    let t = stage(&mut stages, "bind", t);
+    let Some(sql) = plan.paged_sql(opts.page, opts.page_size) else { return Decision::Forward };
+    let spec = SessionSpec { conn, password, timeout_ms: (plan.query_timeout * 1000.0) as u64 };
+    let pool = pg::pool_for(&spec);
+    let Ok(mut lease) = Lease::get(pool).await else { return Decision::Forward };
+    let st = match lease.prepare(&sql).await {
+        Ok(st) => st,
+        Err(_) => {
+            lease.release(); // kept only if the session is still open
+            return Decision::Forward;
+        }
+    };
+    // Decide everything that could make the answer differ from Python's before executing.
+    let tz_utc = lease.session.tz_utc;
+    if st.columns().iter().any(|c| !pg::column_supported(c.type_(), tz_utc))
+        || (opts.format == Format::Csv && st.columns().iter().any(|c| pg::is_json(c.type_())))
+        || plan.transforms.as_ref().is_some_and(|t| t.len() != st.columns().len())
+        || st.params().len() != bound.len()
+    {
+        lease.release();
+        return Decision::Forward;
+    }
+    let mut args = Vec::with_capacity(bound.len());
+    for (ty, v) in st.params().iter().zip(&bound) {
+        match pg::arg_for(ty, v) {
+            Some(a) => args.push(a),
+            None => {
+                lease.release();
+                return Decision::Forward;
+            }
+        }
+    }
+    let columns: Vec<String> = st.columns().iter().map(|c| c.name().to_string()).collect();
+    let result = lease.query(&st, &args).await;
+    let t1 = stage(&mut stages, "execute", t);
+    let query_seconds = (t1 - t).as_secs_f64();
+    let rows = match result {
+        Ok(rows) => {
+            lease.release();
+            rows
+        }
+        Err(ExecError::Timeout) => {
+            lease.release();
+            return fail(run, params::timeout_error(plan.query_timeout), Some(true), None).await;
+        }
+        Err(ExecError::Rejected) => {
+            lease.release();
+            return fail(run, ApiError::new(500, "query_failed", QUERY_FAILED), Some(true), None).await;
+        }
+        Err(ExecError::Forward(_)) => return Decision::Forward, // the session is dropped (closed)
+    };
+    let (columns, mut rows) = match &plan.transforms {
+        None => (columns, rows),
+        Some(acts) => match mask::apply(acts, sh.mask_key.as_deref().unwrap_or(b""), columns, rows) {
+            Some(x) => x,
+            None => return Decision::Forward,
+        },
+    };
+    let t = stage(&mut stages, "govern", t1);
+    let has_more = rows.len() as i64 > opts.page_size;
+    if has_more {
+        rows.truncate(opts.page_size as usize);
+    }
+    let body = match opts.format {
+        Format::Json => render::render_json(&columns, &rows),
+        Format::Ndjson => render::render_ndjson(&columns, &rows),
+        Format::Csv => match render::render_csv(&columns, &rows) {
+            Some(b) => b,
+            None => return Decision::Forward,
+        },
+    };
+    stage(&mut stages, "render", t);
+    run.rows = rows.len() as i64;
+    run.bytes = body.len() as i64;
+    let timing = stages.iter().map(|(n, d)| format!("{n};dur={:.3}", d * 1000.0)).collect::<Vec<_>>().join(", ");
+    let nrows = rows.len();
+    sh.finish(run, t0, Some(query_seconds), Some(true)).await;
+    let mut r = Response::new(Either::Left(Full::new(Bytes::from(body))));
+    let h = r.headers_mut();
+    h.insert("content-type", HeaderValue::from_static(opts.format.content_type()));
+    let num = |v: i64| HeaderValue::from_str(&v.to_string()).expect("digits");
+    h.insert("x-page", num(opts.page));
+    h.insert("x-page-size", num(opts.page_size));
+    h.insert("x-row-count", num(nrows as i64));
+    h.insert("x-has-more", HeaderValue::from_static(if has_more { "true" } else { "false" }));
+    if let Ok(v) = HeaderValue::from_str(&timing) {
+        h.insert("server-timing", v);
+    }
+    h.insert("x-request-id", HeaderValue::from_str(&rid).unwrap_or(HeaderValue::from_static("-")));
+    Decision::Answer(r)
+}
+
+async fn upstream_sender(up: &Upstream) -> std::io::Result<hyper::client::conn::http1::SendRequest<Incoming>> {
+    let reused = UPSTREAM.with(|p| {
+        let mut pool = p.borrow_mut();
+        pool.retain(|s| !s.is_closed());
+        let i = pool.iter().position(|s| s.is_ready())?;
+        Some(pool.swap_remove(i))
+    });
+    if let Some(s) = reused {
+        return Ok(s);
+    }
+    macro_rules! handshake {
+        ($io:expr) => {{
+            let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new($io))
+                .await
+                .map_err(std::io::Error::other)?;
+            tokio::task::spawn_local(async move {
+                let _ = conn.await;
+            });
+            sender
+        }};
+    }
+    Ok(match up {
+        Upstream::Unix(p) => handshake!(tokio::net::UnixStream::connect(p).await?),
+        Upstream::Tcp(a) => {
+            let s = tokio::net::TcpStream::connect(a.as_str()).await?;
+            s.set_nodelay(true)?;
+            handshake!(s)
+        }
+    })
+}
+
+const HOP: [&str; 3] = ["connection", "keep-alive", "proxy-connection"];
+
+/// Forward a request unchanged (hop-by-hop headers aside; the caller's address in X-Qag-Client-Addr).
+pub async fn forward(up: &Upstream, mut req: Request<Incoming>, peer: Option<IpAddr>) -> Response<Body> {
+    let h = req.headers_mut();
+    for n in HOP {
+        h.remove(n);
+    }
+    h.remove("x-qag-client-addr");
+    if let Some(ip) = peer {
+        if let Ok(v) = HeaderValue::from_str(&ip.to_string()) {
+            h.insert(HeaderName::from_static("x-qag-client-addr"), v);
+        }
+    }
+    let mut sender = match upstream_sender(up).await {
+        Ok(s) => s,
+        Err(e) => return bad_gateway(&format!("cannot connect to gunicorn: {e}")),
+    };
+    if sender.ready().await.is_err() {
+        match upstream_sender(up).await {
+            Ok(s) => sender = s,
+            Err(e) => return bad_gateway(&format!("cannot connect to gunicorn: {e}")),
+        }
+    }
+    let resp = sender.send_request(req).await;
+    UPSTREAM.with(|p| {
+        let mut pool = p.borrow_mut();
+        if pool.len() < 256 && !sender.is_closed() {
+            pool.push(sender);
+        }
+    });
+    match resp {
+        Ok(mut r) => {
+            for n in HOP {
+                r.headers_mut().remove(n);
+            }
+            r.map(Either::Right)
+        }
+        Err(e) => bad_gateway(&format!("gunicorn did not answer: {e}")),
+    }
+}
+
+fn bad_gateway(detail: &str) -> Response<Body> {
+    let err = ApiError::new(502, "upstream_unavailable",
+                            format!("The data plane could not reach the qag workers ({detail}); retry shortly."));
+    error_response(&err, &mint_request_id())
+}
+
+pub async fn handle(sh: Arc<Shared>, req: Request<Incoming>, peer: Option<IpAddr>) -> Result<Response<Body>, Infallible> {
+    if req.method() == hyper::Method::GET && req.uri().path().starts_with("/q/") {
+        if let Decision::Answer(r) = serve_query(&sh, &req, peer).await {
+            return Ok(r);
+        }
+    }
+    Ok(forward(&sh.upstream, req, peer).await)
+}
+
+/// Run one plane thread: its own listener (SO_REUSEPORT) and runtime; never returns.
+pub fn run_thread(sh: Arc<Shared>, listen: SocketAddr) -> std::io::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let local = tokio::task::LocalSet::new();
+    local.block_on(&rt, async move {
+        let sock = if listen.is_ipv4() { tokio::net::TcpSocket::new_v4()? } else { tokio::net::TcpSocket::new_v6()? };
+        sock.set_reuseaddr(true)?;
+        sock.set_reuseport(true)?;
+        sock.bind(listen)?;
+        let listener = sock.listen(1024)?;
+        loop {
+            let (stream, addr) = match listener.accept().await {
+                Ok(x) => x,
+                Err(e) => {
+                    eprintln!("qag-plane: accept: {e}");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                }
+            };
+            let _ = stream.set_nodelay(true);
+            let sh = sh.clone();
+            let peer = Some(addr.ip()).map(|ip| match ip {
+                IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+                v4 => v4,
+            });
+            tokio::task::spawn_local(async move {
+                let svc = hyper::service::service_fn(move |req| handle(sh.clone(), req, peer));
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .keep_alive(true)
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    })
+}
