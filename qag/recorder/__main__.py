@@ -72,8 +72,15 @@ def main(argv=None) -> int:
     if args.slot is not None:
         seg.set_slot(args.slot, "recorder")
 
+        counted = [0]
+
         def publish(state, _seg=seg, _slot=args.slot):
+            # Heartbeat value: the last committed event id (LAYOUT.md [Slots] M2). Ring positions need
+            # no copy: each ring's tail is the recorder's durable position in that ring.
             _seg.set_heartbeat(_slot, state.last_event_id)
+            if state.batches > counted[0]:
+                _seg.counter_add(_slot, "qag_recorder_batches_total", (), state.batches - counted[0])
+                counted[0] = state.batches
 
     log.info("recording segment %s into %s", args.segment, _redact(args.store))
     batch_max = args.batch_max or getattr(store, "batch_max_hint", 5000)

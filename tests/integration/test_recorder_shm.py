@@ -98,7 +98,11 @@ def test_sigkill_mid_burst_loses_nothing_and_duplicates_nothing(kind, segment):
         while any(r.tail != r.head for r in rings) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert all(r.tail == r.head for r in rings), [r.stat() for r in rings]
-        assert seg.slot_info(2)["role"] == "recorder" and seg.slot_info(2)["heartbeat_value"] > 0
+        # introspection as the oracle (STYLE 12): the recorder's slot says who it is, its last event id,
+        # and how many batches it committed since its slot was last claimed
+        info = seg.stat()["process_slots"][2]
+        assert info["role"] == "recorder" and info["heartbeat_value"] > 0
+        assert info["counters"].get("qag_recorder_batches_total", 0) >= 1
         rec.send_signal(signal.SIGTERM)
         out, _ = rec.communicate(timeout=60)
         assert rec.returncode == 0, out.decode()[-2000:]
