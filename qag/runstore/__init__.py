@@ -3,10 +3,30 @@
 `open_store(url)` picks one: PostgreSQL (`postgresql://`), SQLite (`sqlite:///path` or a file path),
 or ClickHouse (`clickhouse://`, `clickhouses://`, `http(s)://`, `chdb:///dir`). Every store has:
 
-  ensure_schema(); positions(source) -> {slot: pos}; write_batch(source, [(slot, pos, payload)])
-  -> (first_id, last_id, n); prune(max_rows) -> deleted; history(...) -> (items, next_cursor);
-  usage(per, since, until, key, query) -> items; events_after(event_id, key_name, limit) -> items;
-  last_event_id(); close().
+  write side (the recorder only)
+    ensure_schema()                      idempotent; tables are prefixed qag_
+    positions(source) -> {slot: pos}     durable ring positions (ClickHouse: after replaying its last insert)
+    prepare(source, chunks) -> batch     CPU only; chunks = [(slot, [(pos_after, payload), ...])]
+    commit(batch) -> (first_id, last_id, n)   one transaction (SQL) / one insert (ClickHouse)
+    write_batch(source, [(slot, pos_after, payload)]) = commit(prepare(...))
+    prune(max_rows) -> deleted           one bounded chunk of retention; call again while > 0
+  read side (the HTTP routes)
+    history(query, key, status, since, until, limit, cursor) -> (items, next_cursor)   newest first
+    usage(per="minute"|"hour"|"day", since, until, key, query) -> [{period, calls, errors, rows}]
+    events_after(event_id, key_name=None, limit=1000) -> items, oldest first (for /events)
+    last_event_id(); close()
+
+Items are API.md's run objects: event_id, at (RFC 3339 UTC, ms, Z), query, version, key_name,
+connection_name, status, code, rows, duration_ms, request_id, served_by. `since`/`until` take an
+RFC 3339 string, a datetime or epoch microseconds; `status` an int, "4xx"/"5xx", "ok" or "error";
+`cursor` is the opaque string a previous page returned.
+
+Why a reader asking for `event_id > last` never misses a run and never sees one twice:
+ids are minted at commit time, in commit order (SQL: under the row lock of qag_event_clock, held
+until COMMIT, so even several recorders sharing one PostgreSQL commit in id order; ClickHouse: by
+the one recorder, inserting batches one after another). A batch becomes visible whole, at its
+commit, after every batch with smaller ids. So once a reader has seen id X, every run with an id
+below X is already visible to it, and any run committed later has an id above X.
 """
 from __future__ import annotations
 

@@ -139,6 +139,14 @@ class ClickHouseRunStore:
             "FROM qag_events GROUP BY minute, key_name, query",
         ]
 
+    def init_text(self, user: str = "qag_writer", password: str = "", reader: str | None = "qag_reader",
+                  reader_password: str = "") -> str:
+        """For `qag clickhouse init`: create the schema here, and return the users and grants for an
+        operator to apply with an administrator account (they cannot be applied through chDB)."""
+        self.ensure_schema()
+        db = self.client.query("SELECT currentDatabase()").result_rows[0][0]
+        return writer_user_sql(db, user, password, reader, reader_password)
+
     def ensure_schema(self):
         thr = _items.sample_threshold(self.settings.history_sample_rate)
         # positions used to be a view of their own; they ride in the events rows now

@@ -124,6 +124,15 @@ def test_insert_only_user_ddl_text():
         writer_user_sql("runs; DROP TABLE x")
 
 
+def test_init_text_creates_the_schema_and_returns_the_grants(ch):
+    store = ch()
+    text = store.init_text(password="pw")
+    assert "GRANT INSERT, SELECT ON `default`.qag_events TO qag_writer;" in text
+    tables = {r[0] for r in store.client.query("SELECT name FROM system.tables WHERE database = currentDatabase()")
+              .result_rows}
+    assert {"qag_events", "qag_history", "qag_usage_minute", "qag_history_mv", "qag_usage_minute_mv"} <= tables
+
+
 def test_chdb_really_has_no_users(ch):
     """Why the DDL above is tested as text: chDB refuses CREATE USER."""
     store = ch()
