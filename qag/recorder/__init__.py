@@ -132,7 +132,14 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
 
     def finish(p):
         fut, positions, n = p
-        _first, last, _written = fut.result()
+        try:
+            _first, last, _written = fut.result()
+        except Exception:
+            if not stop_event.is_set():
+                raise
+            # gave up while stopping: the rings keep these runs for the next recorder
+            log.exception("run store write abandoned at stop; the runs stay in the rings")
+            return
         for slot, pos in positions.items():
             rings[slot].release(pos)
             state.positions[slot] = pos
@@ -153,11 +160,16 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
                 log.exception("recorder publish callback failed")
 
     try:
+        stop_deadline = None
         while True:
             stopping = stop_event.is_set()
+            if stopping and stop_deadline is None:
+                # On stop, drain what the rings hold (the arbiter stops producers first), but for at
+                # most stop_grace_s, so producers that keep going cannot keep us alive.
+                stop_deadline = time.monotonic() + stop_grace_s
             got = 0
             room = batch_max - nbatch
-            if room > 0 and nrings:
+            if room > 0 and nrings and not (stopping and time.monotonic() > stop_deadline):
                 for k in range(nrings):
                     slot = (start + k) % nrings
                     recs = rings[slot].read_from(cursor[slot], room)
@@ -191,7 +203,7 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
                 nbatch = 0
                 idle = 0.0005
                 continue
-            if stopping:
+            if stopping and not got:
                 if pending is not None:
                     finish(pending)
                     pending = None

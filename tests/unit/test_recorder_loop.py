@@ -219,3 +219,40 @@ def test_history_sampling_keeps_failures_and_usage_stays_exact(rate):
     assert abs(by.get(200, 0) - rate * 3600) <= 3600 * 0.05 + 1
     (usage,) = store.usage(per="day")
     assert (usage["calls"], usage["errors"], usage["rows"]) == (4000, 400, 8000)
+
+
+def test_stop_drains_but_producers_that_keep_going_cannot_keep_it_alive():
+    src, store = FakeSource(1), ObservedStore()
+    stop, quit_ = threading.Event(), threading.Event()
+
+    def produce():
+        i = 0
+        while not quit_.is_set():
+            src.rings[0].push(rr.encode(request_id=f"x{i}"))
+            i += 1
+            time.sleep(0.0002)
+
+    p = threading.Thread(target=produce)
+    p.start()
+    t = threading.Thread(target=run_recorder, args=(src, store, stop), kwargs={"batch_ms": 5, "stop_grace_s": 0.3})
+    t.start()
+    time.sleep(0.2)
+    stop.set()
+    t.join(5)
+    alive = t.is_alive()
+    quit_.set()
+    p.join()
+    assert not alive
+    ids = store.request_ids()
+    assert len(ids) == len(set(ids)) > 0
+    assert src.rings[0].tail == store.positions("fake")[0]  # released exactly what was written
+
+
+def test_a_write_that_keeps_failing_at_stop_leaves_the_runs_in_the_rings():
+    src, store = FakeSource(1), ObservedStore()
+    fill(src, 10)
+    store.fail_next = 10**6
+    stop = threading.Event()
+    stop.set()
+    state = run_recorder(src, store, stop, stop_grace_s=0.2)
+    assert state.records == 0 and src.rings[0].tail == 0 and state.errors >= 1
