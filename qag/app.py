@@ -166,7 +166,7 @@ class DataResource:
             t1 = _lap(stages, "execute", t)
             query_seconds = t1 - t
             if plan.transforms is not None:
-                cols, rows = app.apply_transforms(plan.transforms, cols, rows, rt.mask_key)
+                cols, rows = app.apply_transforms(plan.transforms, cols, rows, rt.mask_key, plan.names)
             t = _lap(stages, "govern", t1)
             if plan.is_write and not cols:
                 body = json.dumps({"affected_rows": count}).encode() if opts.format == "json" else b""
@@ -217,8 +217,8 @@ class DataResource:
 
             def masked():
                 for b in batches:
-                    yield app.apply_transforms(transforms, first_cols, b, key)[1]
-            cols = app.apply_transforms(transforms, cols, [], key)[0]
+                    yield app.apply_transforms(transforms, first_cols, b, key, plan.names)[1]
+            cols = app.apply_transforms(transforms, cols, [], key, plan.names)[0]
             source = masked()
         else:
             source = batches
@@ -372,11 +372,14 @@ class QagApp:
             self._run_store = open_store(self.run_store_url)
         return self._run_store
 
-    def apply_transforms(self, transforms, cols, rows, key):
-        if self._apply is None:
-            from qag.governance import apply_transforms
-            self._apply = apply_transforms
-        return self._apply(transforms, cols, rows, key)
+    def apply_transforms(self, transforms, cols, rows, key, names=None):
+        """The plan's masking; a result whose columns no longer match the plan (a table changed under
+        SELECT *) is refused as 403 mask_unresolvable rather than masked by the wrong position."""
+        from qag import governance
+        try:
+            return governance.apply_transforms(transforms, cols, rows, key, names)
+        except governance.GovernanceError as exc:
+            raise ApiError(exc.status, exc.code, exc.message, exc.extra) from None
 
     def finish(self, req, run: dict, status: int, code: str | None, t0: float, query_seconds, plan_hit) -> None:
         duration = time.perf_counter() - t0
