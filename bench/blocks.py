@@ -11,7 +11,8 @@ import uuid
 import harness as H
 import targets as T
 
-BLOCKS = ('dbonly', 'throughput', 'latency', 'openloop', 'workers', 'threads', 'recording', 'roundtrips')
+BLOCKS = ('dbonly', 'throughput', 'latency', 'openloop', 'workers', 'threads', 'recording', 'roundtrips',
+          'profile')
 OPEN_FRACTIONS = (0.25, 0.50, 0.75, 0.90, 1.00, 1.10)
 
 
@@ -44,6 +45,8 @@ def parse_args(description, default_out, extra=None, db_floor='floor_pg'):
     p.add_argument('--oha', default=None, help='path to oha (else PATH or ~/.cargo/bin/oha)')
     p.add_argument('--smoke', action='store_true',
                    help='every block for ~2 s, 1 round; checks completion and zero non-2xx, never speed')
+    p.add_argument('--qag-ref', default='', help='run qag from `git archive REF` (e.g. HEAD) instead of the installed '
+                                                'qag, so commits landing during a session do not change it')
     p.add_argument('--keep-going', action='store_true', help='log a failed run and continue')
     if extra:
         extra(p)
@@ -81,9 +84,16 @@ class Bench:
             H.die(H.OHA_HELP)
         if any(n.startswith('peer') for n in opts.target_names):
             T.Peer.ensure_venv()
+        opts.qag_src = None
+        if opts.qag_ref:
+            opts.qag_src, qag_commit = T.snapshot_qag(opts.qag_ref)
+            H.progress(f'qag from git archive {qag_commit[:10]} in {opts.qag_src}')
+        else:
+            qag_commit = T.working_tree_commit()
         session = time.strftime('%Y%m%dT%H%M%SZ', time.gmtime()) + '-' + uuid.uuid4().hex[:6]
         common = {'gateway_cpus': H.cpu_list(opts.gateway_cpus), 'load_cpus': H.cpu_list(opts.load_cpus),
-                  'db_cpus': H.cpu_list(opts.db_cpus) or 'unpinned', 'smoke': opts.smoke, 'nproc': os.cpu_count()}
+                  'db_cpus': H.cpu_list(opts.db_cpus) or 'unpinned', 'smoke': opts.smoke, 'nproc': os.cpu_count(),
+                  'qag_commit': qag_commit, 'peer_version': T.PEER_VERSION}
         self.results = H.Results(opts.out, session, harness_name, common)
         self.targets = [T.make_target(n, opts, workload) for n in opts.target_names]
         self.health_target = T.FloorHello(opts, workload)
@@ -154,7 +164,8 @@ class Bench:
         row = self.results.add(block=block, target=target.name, call=call.name, query=call.query, key=call.key,
                                round=round_no, workers=target.workers, threads=target.threads, **extra, **r)
         H.progress(f'[{block}] r{round_no} {target.name:12s} {call.name:16s} ' +
-                   ' '.join(f'{k}={v}' for k, v in extra.items()) + ' ' + H.fmt_run(row))
+                   ' '.join(f'{k}={v if not isinstance(v, list) else v[:4]}' for k, v in extra.items()) + ' ' +
+                   H.fmt_run(row))
         if row.get('non_2xx') or row.get('errors'):
             H.progress(f'  !! non-2xx {row.get("codes")} errors {row.get("error_kinds")}')
         return row
@@ -370,6 +381,52 @@ class Bench:
                         self.fail('roundtrips', f'{t.name} {call.name}', exc)
                 self.rotation += 1
 
+    def block_profile(self):
+        """Where a worker's time goes: py-spy (200 Hz, --nonblocking, --gil: only the thread holding the GIL, so
+        samples are Python CPU, not threads waiting on the database) on the busiest worker of each gateway and the
+        database floor during one lookup run at --callers; self samples by module and by function."""
+        import shutil
+        import subprocess
+        import tempfile
+        import threading
+        pyspy = shutil.which('py-spy')
+        if not pyspy:
+            H.progress('[profile] py-spy not installed (pip install py-spy): skipped')
+            return
+        call = self.calls_by_prefix('lookup', 'customer')[0]
+        tgts = [t for t in self.supporting(call) if t.name != 'floor_hello']
+        for t in tgts:
+            try:
+                self.start(t, workers=1)
+                s0 = H.all_stats()
+                t0 = t.ticks(s0)
+                H.run_oha(self.oha, H.regex_escape_base(t.base) + t.path(call), duration=self.opts.warmup or 0.5,
+                          conns=8, headers=t.headers(call), load_cpus=self.opts.load_cpus)
+                t1 = t.ticks()
+                busiest = max((p for p in t1 if p != t.proc.pid), key=lambda p: t1[p] - t0.get(p, 0),
+                              default=t.proc.pid)
+                out = tempfile.NamedTemporaryFile(suffix='.txt', delete=False).name
+                dur = max(1, int(self.opts.duration))
+                spy = subprocess.Popen([pyspy, 'record', '--pid', str(busiest), '--duration', str(dur), '--rate', '200',
+                                        '--format', 'raw', '--nonblocking', '--gil', '--output', out],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                res = {}
+                th = threading.Thread(target=lambda: res.update(self.measured(
+                    t, call, conns=self.opts.callers, duration=dur, warm=False)))
+                th.start()
+                _, err = spy.communicate(timeout=dur + 60)
+                th.join()
+                mods, funcs, total = profile_summary(out)
+                os.unlink(out)
+                if not total:
+                    raise RuntimeError(f'py-spy recorded nothing: {err.decode(errors="replace")[-300:]}')
+                self.record('profile', t, call, 0, res, conns=self.opts.callers, samples=total,
+                            by_module=mods[:20], by_function=funcs[:20])
+            except Exception as exc:  # noqa: BLE001
+                self.fail('profile', t.name, exc)
+            finally:
+                t.stop()
+
     def calls_by_prefix(self, *prefixes):
         return [c for c in self.calls if c.name.startswith(prefixes)]
 
@@ -407,3 +464,42 @@ class Bench:
 
 def main_exit(code):
     sys.exit(code)
+
+
+def _module_of(frame):
+    """'func (path/to/pkg/mod.py:12)' -> a readable module: qag.x.y, or the package after site-packages."""
+    if '(' not in frame:
+        return frame
+    path = frame[frame.rfind('(') + 1:].split(':')[0]
+    for marker in ('site-packages/', 'lib/python3.11/', '/work/main/', 'qagbench-src-'):
+        if marker in path:
+            path = path.split(marker, 1)[1]
+            if marker == 'qagbench-src-':
+                path = path.split('/', 1)[1] if '/' in path else path
+            break
+    parts = path.replace('.py', '').split('/')
+    if parts[0] in ('qag', 'shm', 'queryapigate') and len(parts) > 1:
+        return '.'.join(parts[:2])
+    return parts[0]
+
+
+def profile_summary(path):
+    """Self samples by module and by function from py-spy's raw (collapsed) output."""
+    import collections
+    mods, funcs, total = collections.Counter(), collections.Counter(), 0
+    with open(path) as f:
+        for line in f:
+            line = line.rstrip()
+            if not line or ' ' not in line:
+                continue
+            stack, count = line.rsplit(' ', 1)
+            try:
+                n = int(count)
+            except ValueError:
+                continue
+            leaf = stack.split(';')[-1]
+            total += n
+            mods[_module_of(leaf)] += n
+            funcs[leaf.split(' (')[0] + ' ' + _module_of(leaf)] += n
+    pct = lambda c: [[k, round(100.0 * v / total, 1)] for k, v in c.most_common()]  # noqa: E731
+    return (pct(mods), pct(funcs), total) if total else ([], [], 0)

@@ -78,6 +78,8 @@ def ratio_cell(a_rows, b_rows, field='rps'):
     # a ratio's range: worst over best and best over worst of the two cells' rounds
     a_vals = [r[field] for r in a_rows if r.get(field)]
     b_vals = [r[field] for r in b_rows if r.get(field)]
+    if len(a_vals) < 2 or len(b_vals) < 2:
+        return f'{a / b:.2f}x'
     lo, hi = min(a_vals) / max(b_vals), max(a_vals) / min(b_vals)
     clear = ' clear' if lo > 1 or hi < 1 else ''
     return f'{a / b:.2f}x ({lo:.2f}-{hi:.2f}){clear}'
@@ -107,6 +109,35 @@ class Report:
                '/ CPU seconds of the gateway\'s whole process tree (arbiter, workers, recorder, plane) from /proc.\n')
         if any(r.get('smoke') for r in self.rows):
             self.w('**Smoke runs included: durations of ~2 s, figures are not measurements.**\n')
+
+    def headline(self):
+        """DESIGN.md's targets, read off this session: one worker, the lookup, 32 callers."""
+        tp = [r for r in self.rows if r['block'] == 'throughput']
+        lat = [r for r in self.rows if r['block'] == 'latency']
+        if not tp:
+            return
+        self.w('## Headline\n')
+        self.w('DESIGN.md\'s targets for the Python path (one worker, primary-key lookup, 32 callers, every run '
+               'recorded): at least 3x QueryAPIGate 0.43 with its metadata cache per gateway core, plain and '
+               'governed; at least 80% of the Falcon + psycopg2 floor; one caller\'s p50 under 0.6 ms.\n')
+        out = []
+        for harness, floor in (('oltp', 'floor_pg'), ('tpcc_mysql', 'floor_mysql')):
+            for call in ('lookup_plain', 'lookup_governed', 'customer_plain', 'customer_governed'):
+                by = group([r for r in tp if r['harness'] == harness and r['call'] == call], 'target')
+                q = by.get(('qag',), [])
+                if not q:
+                    continue
+                fl = group([r for r in tp if r['harness'] == harness and r['call'] == call.replace('governed', 'plain')],
+                           'target').get((floor,), [])
+                one = [r.get('p50_ms') for r in lat if r['harness'] == harness and r['call'] == call
+                       and r['target'] == 'qag']
+                out.append([harness, call, cell([r.get('calls_per_gw_cpu_s') for r in q]),
+                            ratio_cell(q, by.get(('peer_cache',), []), 'calls_per_gw_cpu_s'),
+                            ratio_cell(q, by.get(('peer',), []), 'calls_per_gw_cpu_s'),
+                            ratio_cell(q, fl, 'rps'), ratio_cell(q, fl, 'calls_per_gw_cpu_s'), cell(one, 2)])
+        if out:
+            self.w(table(['harness', 'call', 'qag calls per gateway CPU-s', 'x peer+cache per core', 'x peer per core',
+                          'of floor (calls/s)', 'of floor (per core)', 'qag 1-caller p50 ms'], out))
 
     def health(self):
         hs = [r for r in self.rows if r['block'] == 'health']
@@ -254,6 +285,27 @@ class Report:
             out.append([LABEL.get(t, t), c] + [cell([(r.get('per_call') or {}).get(k) for r in rs], 2) for k in keys])
         self.w(table(['target', 'call'] + keys, out))
 
+    def profile(self, rows):
+        if not rows:
+            return
+        self.w('### Where the time goes (py-spy)\n')
+        self.w('py-spy at 200 Hz with --gil (only the thread holding the interpreter lock, so a sample is Python '
+               'CPU, not a thread waiting on the database) on each target\'s busiest worker during one lookup run '
+               'at 32 callers. Self samples: each sample counts for the innermost frame. Single runs.\n')
+        for r in rows:
+            self.w(f"**{LABEL.get(r['target'], r['target'])}** ({r.get('samples')} samples, {num(r.get('rps'))} calls/s "
+                   'while profiled)\n')
+            mods = r.get('by_module') or []
+            funcs = r.get('by_function') or []
+            n = max(len(mods[:10]), len(funcs[:12]))
+            out = []
+            for i in range(n):
+                m = mods[i] if i < len(mods[:10]) else ['', None]
+                f = funcs[i] if i < len(funcs[:12]) else ['', None]
+                out.append([m[0], f'{m[1]}%' if m[1] is not None else '', f'`{f[0]}`' if f[0] else '',
+                            f'{f[1]}%' if f[1] is not None else ''])
+            self.w(table(['module', 'self', 'function', 'self'], out))
+
     # ---------------------------------------------------------------- charts
     def chart_throughput(self, rows, harness):
         try:
@@ -316,6 +368,7 @@ class Report:
     # ---------------------------------------------------------------- whole page
     def build(self):
         self.header()
+        self.headline()
         self.health()
         for harness, hrows in group(self.rows, 'harness').items():
             harness = harness[0]
@@ -342,6 +395,7 @@ class Report:
                          'One worker, the lookup at 32 callers. Cells: calls/s; calls per gateway CPU-second; p99.')
             self.recording(b('recording'))
             self.roundtrips(b('roundtrips'))
+            self.profile(b('profile'))
         bad = [r for r in self.rows if r.get('non_2xx') or r.get('errors')]
         self.w('## Errors\n')
         if bad:

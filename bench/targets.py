@@ -269,7 +269,12 @@ class Qag(ManagedGateway):
         return shutil.which('qag') or os.path.join(os.path.dirname(sys.executable), 'qag')
 
     def command(self, workers, threads):
-        cmd = [self.binary(), 'serve', '--bind', f'127.0.0.1:{self.port}', '--workers', str(workers)]
+        if getattr(self.opts, 'qag_src', None):
+            # a snapshot exported with git archive (--qag-ref): the code can't change under a session
+            head = [sys.executable, '-c', 'import sys; from qag.cli import main; sys.argv[0] = "qag"; sys.exit(main())']
+        else:
+            head = [self.binary()]
+        cmd = head + ['serve', '--bind', f'127.0.0.1:{self.port}', '--workers', str(workers)]
         if threads:
             cmd += ['--threads', str(threads)]
         if self.plane:
@@ -284,6 +289,8 @@ class Qag(ManagedGateway):
             'QAG_DATABASE_URL': f'postgresql://postgres@127.0.0.1:5432/{self.store}',
             'QAG_ALLOW_WRITES': '1',
         })
+        if getattr(self.opts, 'qag_src', None):
+            env['PYTHONPATH'] = self.opts.qag_src
         return env
 
     def history_time(self, since):
@@ -360,6 +367,26 @@ def expand_targets(spec, db_floor='floor_pg'):
             if name not in out:
                 out.append(name)
     return out
+
+
+def snapshot_qag(ref):
+    """Export qag/ and shm/ at a git ref into a temp dir (git archive: read-only on the shared checkout)."""
+    from harness import REPO_DIR
+    commit = subprocess.run(['git', '-C', REPO_DIR, 'rev-parse', ref], capture_output=True, text=True,
+                            check=True).stdout.strip()
+    dest = tempfile.mkdtemp(prefix=f'qagbench-src-{commit[:8]}-')
+    archive = subprocess.Popen(['git', '-C', REPO_DIR, 'archive', commit, 'qag', 'shm'], stdout=subprocess.PIPE)
+    subprocess.run(['tar', '-x', '-C', dest], stdin=archive.stdout, check=True)
+    archive.wait()
+    return dest, commit
+
+
+def working_tree_commit():
+    from harness import REPO_DIR
+    head = subprocess.run(['git', '-C', REPO_DIR, 'rev-parse', 'HEAD'], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(['git', '-C', REPO_DIR, 'status', '--porcelain', '--', 'qag', 'shm'],
+                           capture_output=True, text=True).stdout.strip()
+    return head + ('+dirty' if dirty else '')
 
 
 def make_target(name, opts, workload):
