@@ -83,9 +83,15 @@ class Observer:
         self.backend = backend or LocalBackend()
         self.slot = slot
         self.gauges = []  # callables yielding (name, labels, value)
+        # A slot's counter cells have one writer: this process's threads take turns (shm/LAYOUT.md, Counters).
+        self.lock = threading.Lock()
 
     def request(self, route: str, status: int, code: str | None, rows: int, duration: float,
                 query_seconds: float | None = None, plan_hit: bool | None = None) -> None:
+        with self.lock:
+            self._request(route, status, code, rows, duration, query_seconds, plan_hit)
+
+    def _request(self, route, status, code, rows, duration, query_seconds, plan_hit) -> None:
         b, slot = self.backend, self.slot
         b.counter_add(slot, "qag_requests_total", (("route", route), ("status", str(status))), 1)
         if code:
@@ -99,10 +105,12 @@ class Observer:
             b.counter_add(slot, "qag_plan_cache_total", (("result", "hit" if plan_hit else "miss"),), 1)
 
     def store_statement(self) -> None:
-        self.backend.counter_add(self.slot, "qag_store_statements_total", (), 1)
+        with self.lock:
+            self.backend.counter_add(self.slot, "qag_store_statements_total", (), 1)
 
     def run_recorded(self, ok: bool) -> None:
-        self.backend.counter_add(self.slot, "qag_runs_recorded_total" if ok else "qag_runs_lost_total", (), 1)
+        with self.lock:
+            self.backend.counter_add(self.slot, "qag_runs_recorded_total" if ok else "qag_runs_lost_total", (), 1)
 
     def render(self) -> bytes:
         reg = CollectorRegistry(auto_describe=False)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 from qag import runrecord
 from qag.app import QagApp
@@ -17,19 +18,23 @@ class RingRecorder:
     """Puts one run record into this worker's ring; a ring still full after QAG_RECORD_WAIT_MS counts the
     run as lost (qag_runs_lost_total) instead of blocking the call for ever."""
 
-    __slots__ = ("ring", "wait_ms", "served_by", "observer")
+    __slots__ = ("ring", "wait_ms", "served_by", "observer", "lock")
 
     def __init__(self, segment, slot: int, wait_ms: int, observer: Observer):
         self.ring = segment.ring(slot)
         self.wait_ms = wait_ms
         self.served_by = f"worker:{slot}"
         self.observer = observer
+        # A ring has one producer: this worker's threads take turns (shm/LAYOUT.md, Rings).
+        self.lock = threading.Lock()
 
     def __call__(self, run: dict) -> None:
         payload = runrecord.pack(run["at_us"], run["key_name"], run["query"], run["version"], run["connection"],
                                  run["status"], run["code"], run["rows"], run["duration_us"], run["bytes"],
                                  run["request_id"], self.served_by, run["transport"], run["route"])
-        self.observer.run_recorded(self.ring.push(payload, self.wait_ms))
+        with self.lock:
+            ok = self.ring.push(payload, self.wait_ms)
+        self.observer.run_recorded(ok)
 
 
 def segment_gauges(segment, runtime):
