@@ -235,6 +235,25 @@ def test_runtime_stage_copies_exactly_the_package_build_inputs():
             assert list((ROOT / pkg).glob(g)), f"package_data {pkg}/{g} matches nothing"
 
 
+@pytest.mark.xfail(condition=not (ROOT / "qag" / "api" / "__init__.py").exists(), strict=True,
+                   reason="qag/api/ has no __init__.py: `packages = find:` leaves qag.api out of the wheel, so an "
+                          "installed qag (the image, /opt/qag) fails to boot its workers")
+def test_installed_package_holds_every_module_of_the_source_tree():
+    """What `pip install .` ships is what setuptools finds; a directory of modules it misses runs from the
+    checkout (tests, `pip install -e`) but not from the image."""
+    from setuptools import find_packages
+    cp = _setup_cfg()
+    found = set(find_packages(where=str(ROOT), include=_cfg_list(cp["options.packages.find"]["include"])))
+    roots = {p.split(".")[0] for p in _cfg_list(cp["options.packages.find"]["include"])}
+    in_tree = set()
+    for root in roots:
+        for top, dirs, files in os.walk(ROOT / root):
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            if any(f.endswith(".py") for f in files):
+                in_tree.add(os.path.relpath(top, ROOT).replace(os.sep, "."))
+    assert not in_tree - found, f"not installed by pip: {sorted(in_tree - found)}"
+
+
 def test_pip_install_names_existing_extras():
     runs = [i["args"] for i in _final("RUN") if "pip install" in i["args"]]
     assert len(runs) == 1
@@ -314,7 +333,7 @@ def test_plane_sources_stay_inside_the_crate():
 
 def _serve_health(status: int):
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
+        def do_GET(self):
             code = status if self.path == "/health" else 404
             self.send_response(code)
             self.send_header("Content-Length", "2")
@@ -336,7 +355,8 @@ def test_healthcheck_command_gets_health_on_the_bind_port(status, ok):
     srv = _serve_health(status)
     try:
         env = dict(os.environ, QAG_BIND=f"0.0.0.0:{srv.server_address[1]}")
-        rc = subprocess.run([sys.executable, *argv[1:]], env=env, capture_output=True, timeout=20).returncode
+        rc = subprocess.run([sys.executable, *argv[1:]], env=env, capture_output=True, timeout=20,
+                            check=False).returncode
     finally:
         srv.shutdown()
         srv.server_close()
@@ -439,7 +459,7 @@ def test_instances_have_own_binds_disjoint_cpus_and_valid_settings(monkeypatch):
 
 def _verify(unit_dir: Path, unit: str) -> str:
     r = subprocess.run(["systemd-analyze", "verify", str(unit_dir / unit)], capture_output=True, text=True,
-                       timeout=60, env=dict(os.environ, SYSTEMD_UNIT_PATH=f"{unit_dir}:"))
+                       timeout=60, check=False, env=dict(os.environ, SYSTEMD_UNIT_PATH=f"{unit_dir}:"))
     return (r.stdout + r.stderr).strip() if r.returncode or (r.stdout + r.stderr).strip() else ""
 
 
@@ -527,7 +547,7 @@ def test_load_balancer_sends_to_every_instance_and_checks_health():
     assert len(ports) == 1
     (port,) = ports
     cfg = (DEPLOY / "compose" / "haproxy.cfg").read_text()
-    servers = re.findall(r"^\s*server\s+\S+\s+([\w.-]+):(\d+)", cfg, re.M)
+    servers = re.findall(r"^\s*server\s+\S+\s+([\w.-]+):(\d+)", cfg, re.MULTILINE)
     assert sorted(servers) == sorted((n, port) for n in _qag_services(compose))
     assert re.search(r"http-check send meth GET uri /health", cfg)
     mounts = compose["services"]["lb"]["volumes"]
@@ -537,7 +557,7 @@ def test_load_balancer_sends_to_every_instance_and_checks_health():
 @pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy not installed")
 def test_haproxy_accepts_its_config():
     r = subprocess.run(["haproxy", "-c", "-f", str(DEPLOY / "compose" / "haproxy.cfg")], capture_output=True,
-                       text=True, timeout=30)
+                       text=True, timeout=30, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[ALERT]" not in r.stdout + r.stderr
 
@@ -609,7 +629,7 @@ def test_every_metric_and_label_used_is_exported(source):
     for expr in exprs:
         for name, suffix in _metric_refs(expr):
             assert name in METRICS, f"{name} is not in qag/metrics.py METRICS: {expr}"
-            kind, _, labels = METRICS[name]
+            kind = METRICS[name][0]
             assert (kind == "histogram") == bool(suffix), f"{name}{suffix}: series of a {kind}"
             used.add(name)
         # Labels in by(...) and in selectors must be labels of the metrics, or Prometheus' own.
@@ -663,7 +683,7 @@ def test_grafana_provisioning_matches_dashboard_and_compose():
 
 
 def _promtool(*args) -> subprocess.CompletedProcess:
-    return subprocess.run(["promtool", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run(["promtool", *args], capture_output=True, text=True, timeout=60, check=False)
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
@@ -722,7 +742,7 @@ def test_every_values_reference_exists():
 
 
 def _actions(text: str) -> list[str]:
-    return re.findall(r"\{\{-?\s*(.*?)\s*-?\}\}", text, re.S)
+    return re.findall(r"\{\{-?\s*(.*?)\s*-?\}\}", text, re.DOTALL)
 
 
 @pytest.mark.parametrize("path", TEMPLATES, ids=lambda p: p.name)
@@ -776,7 +796,7 @@ def test_deployment_env_settings_secrets_and_resources(monkeypatch):
     # Plain settings are real settings, parse, and leave secrets and the container's bind to the template.
     env = {k: str(v) for k, v in values["env"].items()}
     assert set(env) <= SETTINGS
-    secret_keys = set(re.findall(r"^\s*(QAG_[A-Z_]+):", secret, re.M))
+    secret_keys = set(re.findall(r"^\s*(QAG_[A-Z_]+):", secret, re.MULTILINE))
     referenced = set(re.findall(r"key: (QAG_[A-Z_]+)", dep))
     assert {"QAG_ADMIN_KEY", "QAG_SECRET_KEY", "QAG_DATABASE_URL"} <= secret_keys
     assert secret_keys == referenced and secret_keys <= SETTINGS
