@@ -312,3 +312,38 @@ def test_two_hosts_on_one_postgresql_store_agree(pgbench_dsn):
     finally:
         a.stop()
         b.stop()
+
+
+def test_concurrent_burst_counted_and_recorded_exactly(pgbench_dsn):
+    """16 callers over 2 workers of 8 threads: /metrics from any worker and the run history both count
+    every call (threads of one worker share its ring and counter cells without losing an update)."""
+    srv = start_server({"QAG_THREADS": "8"})
+    key = setup(srv)
+    base_calls = metric(srv, 'qag_requests_total{route="/q/{name}",status="200"}')
+    per, n_threads = 150, 16
+    errors = []
+
+    def burst(t):
+        s = requests.Session()
+        for i in range(per):
+            r = s.get(srv.base + f"/q/account?aid={t * per + i + 1}", headers={"X-API-Key": key})
+            if r.status_code != 200:
+                errors.append(r.status_code)
+    threads = [threading.Thread(target=burst, args=(t,)) for t in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    total = per * n_threads
+    served_by = set()
+    for _ in range(10):  # several scrapes land on both workers; each sees the whole instance
+        assert metric(srv, 'qag_requests_total{route="/q/{name}",status="200"}') - base_calls == total
+    deadline = time.time() + 20
+    while time.time() < deadline and history_count(srv) < total:
+        time.sleep(0.2)
+    assert history_count(srv) == total
+    items = requests.get(srv.base + "/api/v1/history?limit=1000", headers=srv.admin).json()["items"]
+    served_by = {x["served_by"] for x in items}
+    assert served_by == {"worker:0", "worker:1"}
+    srv.stop()
