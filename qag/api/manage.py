@@ -321,7 +321,7 @@ class Queries:
         conn_name = body["connection_name"]
         if not isinstance(conn_name, str):
             raise _type_error("connection_name", "a string")
-        publish = body.get("publish", True)
+        publish = body.get("publish", False)  # a draft unless publish is true, as in QueryAPIGate
         if not isinstance(publish, bool):
             raise _type_error("publish", "true or false")
         v = _version_from(self.app, body, conn_name)
@@ -570,7 +570,7 @@ class ApiKeyRotate:
         p = require_admin(self.app, req)
         body = read_json(req, self.app.cfg, allow_empty=True)
         check_fields(body, ("grace_minutes",))
-        grace = body.get("grace_minutes", 0)
+        grace = body.get("grace_minutes", 60)  # QueryAPIGate's default: the old secret works for an hour
         if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace <= 60 * 24 * 30:
             raise _type_error("grace_minutes", "a number of minutes between 0 and 43200")
         out = self.app.runtime.store.rotate_key(p.name, name, float(grace))

@@ -85,7 +85,7 @@ def test_versions_immutable_publish_and_delete(app_client, sqlite_db):
     c = app_client
     post(c, "/api/v1/connections", {"name": "lite", "db": "sqlite", "database": sqlite_db}, 201)
     r = post(c, "/api/v1/queries", {"name": "q", "connection_name": "lite", "sql": "SELECT id FROM t WHERE id = :id",
-                                    "parameters": {"id": "int"}}, 201)
+                                    "parameters": {"id": "int"}, "publish": True}, 201)
     assert r.json["published_version"] == 1 and r.json["version"] == 1
     assert post(c, "/api/v1/queries", {"name": "q", "connection_name": "lite", "sql": "SELECT 1"}).json["code"] == \
         "query_exists"
@@ -119,7 +119,7 @@ def test_versions_immutable_publish_and_delete(app_client, sqlite_db):
 def test_keys_secret_once_rotate_with_grace_delete(app_client, sqlite_db, home):
     c = app_client
     post(c, "/api/v1/connections", {"name": "lite", "db": "sqlite", "database": sqlite_db}, 201)
-    post(c, "/api/v1/queries", {"name": "q", "connection_name": "lite", "sql": "SELECT count(*) AS n FROM t"}, 201)
+    post(c, "/api/v1/queries", {"name": "q", "connection_name": "lite", "sql": "SELECT count(*) AS n FROM t", "publish": True}, 201)
     r = post(c, "/api/v1/api-keys", {"name": "k", "queries": ["q"], "rate_limit": "100/minute"}, 201)
     assert r.headers["Cache-Control"] == "no-store"
     old = r.json["secret"]
@@ -143,7 +143,7 @@ def test_keys_secret_once_rotate_with_grace_delete(app_client, sqlite_db, home):
     assert new != old and r.headers["Cache-Control"] == "no-store"
     assert c.simulate_get("/q/q", headers={"X-API-Key": new}).json == [{"n": 2}]
     assert c.simulate_get("/q/q", headers={"X-API-Key": old}).json == [{"n": 2}]  # within the grace period
-    r = post(c, "/api/v1/api-keys/k/rotate", {}, 200)  # no grace: the previous secret stops at once
+    r = post(c, "/api/v1/api-keys/k/rotate", {"grace_minutes": 0}, 200)  # the previous secret stops at once
     newer = r.json["secret"]
     assert c.simulate_get("/q/q", headers={"X-API-Key": new}).status_code == 401
     assert c.simulate_get("/q/q", headers={"X-API-Key": newer}).status_code == 200
@@ -156,10 +156,19 @@ def test_keys_secret_once_rotate_with_grace_delete(app_client, sqlite_db, home):
     assert c.simulate_get("/api/v1/api-keys/k", headers=A).json["code"] == "key_not_found"
 
 
+def test_query_created_as_draft_by_default(app_client, sqlite_db):
+    c = app_client
+    post(c, "/api/v1/connections", {"name": "lite", "db": "sqlite", "database": sqlite_db}, 201)
+    r = post(c, "/api/v1/queries", {"name": "d", "connection_name": "lite", "sql": "SELECT 1 AS one"}, 201)
+    assert r.json["published_version"] is None
+    key = post(c, "/api/v1/api-keys", {"name": "k", "queries": ["d"]}, 201).json["secret"]
+    assert c.simulate_get("/q/d", headers={"X-API-Key": key}).json["code"] == "not_published"
+
+
 def test_connections_grant_and_omitted_means_none(app_client, sqlite_db):
     c = app_client
     post(c, "/api/v1/connections", {"name": "lite", "db": "sqlite", "database": sqlite_db}, 201)
-    post(c, "/api/v1/queries", {"name": "q", "connection_name": "lite", "sql": "SELECT 1 AS one"}, 201)
+    post(c, "/api/v1/queries", {"name": "q", "connection_name": "lite", "sql": "SELECT 1 AS one", "publish": True}, 201)
     none = post(c, "/api/v1/api-keys", {"name": "none"}, 201).json["secret"]
     assert c.simulate_get("/q/q", headers={"X-API-Key": none}).json["code"] == "query_not_found"
     viaconn = post(c, "/api/v1/api-keys", {"name": "viaconn", "connections": ["lite"]}, 201).json["secret"]
@@ -218,7 +227,7 @@ def test_quota_and_cache_ttl(app_client, sqlite_db):
     c = app_client
     post(c, "/api/v1/connections", {"name": "lite", "db": "sqlite", "database": sqlite_db}, 201)
     post(c, "/api/v1/queries", {"name": "n", "connection_name": "lite", "sql": "SELECT count(*) AS n FROM t",
-                                "cache_ttl": 60}, 201)
+                                "cache_ttl": 60, "publish": True}, 201)
     key = post(c, "/api/v1/api-keys", {"name": "q", "queries": ["n"], "quota": "3/day"}, 201).json["secret"]
     h = {"X-API-Key": key}
     first = c.simulate_get("/q/n", headers=h)
