@@ -145,6 +145,8 @@ pub struct PlanEntry {
     pub arg_names: Vec<String>,
     pub specs: Vec<Spec>,
     pub transforms: Option<Vec<Action>>,
+    /// governance's traced name per output position (None: unknown), checked against the result's names.
+    pub output_names: Option<Vec<Option<String>>>,
     pub page_mode: String,
     pub is_write: bool,
     pub default_page_size: i64,
@@ -194,6 +196,11 @@ impl PlanEntry {
             arg_names: v.get("arg_names")?.as_array()?.iter().map(|x| x.as_str().map(str::to_string)).collect::<Option<_>>()?,
             specs: v.get("specs")?.as_array()?.iter().map(Spec::from_value).collect::<Option<_>>()?,
             transforms,
+            output_names: match v.get("output_names") {
+                None | Some(Value::Nil) => None,
+                Some(a) => Some(a.as_array()?.iter().map(|x| if x.is_nil() { Some(None) } else { x.as_str().map(|s| Some(s.to_string())) })
+                    .collect::<Option<Vec<_>>>()?),
+            },
             page_mode: v.get("page_mode")?.as_str()?.to_string(),
             is_write: v.get("is_write")?.as_bool()?,
             default_page_size: v.get("default_page_size")?.as_i64()?,
@@ -201,6 +208,30 @@ impl PlanEntry {
             query_timeout: v.get("query_timeout")?.as_f64()?,
             gens,
         })
+    }
+
+    /// CompiledTransforms.check_names: masked positions must carry the columns the plan traced (compared
+    /// lowercased, after a "t." prefix, on 63 characters). False = Python refuses (403): forward.
+    pub fn names_match(&self, columns: &[String]) -> bool {
+        let (Some(acts), Some(names)) = (&self.transforms, &self.output_names) else { return true };
+        let norm = |s: &str| -> Option<String> {
+            let last = s.rsplit('.').next().unwrap_or(s);
+            if !last.is_ascii() {
+                return None; // Unicode lower() and truncation: leave it to Python
+            }
+            Some(last.to_ascii_lowercase().chars().take(63).collect())
+        };
+        for (i, a) in acts.iter().enumerate() {
+            if *a == Action::Keep || i >= columns.len() {
+                continue;
+            }
+            let Some(Some(want)) = names.get(i) else { continue };
+            match (norm(&columns[i]), norm(want)) {
+                (Some(g), Some(w)) if g == w => {}
+                _ => return false,
+            }
+        }
+        true
     }
 
     /// Plan.paged_sql for one page (+1 row to know whether there is more).
@@ -236,6 +267,9 @@ impl ConnEntry {
         let gen = v.get("gen")?.as_u64()?;
         if seg.gen(GenKind::Connection, name) != gen {
             return None;
+        }
+        if v.get("active").and_then(Value::as_bool) == Some(false) {
+            return None; // Python answers 502 for an inactive connection
         }
         let s = |k: &str| v.get(k).and_then(Value::as_str).filter(|s| !s.is_empty()).map(str::to_string);
         let mut options = BTreeMap::new();

@@ -78,6 +78,17 @@ pub fn arg_for(ty: &Type, v: &PVal) -> Option<Arg> {
     }))
 }
 
+/// The type of a psycopg2 literal for a parameter of this spec type.
+pub fn literal_type(t: crate::params::PType) -> Type {
+    use crate::params::PType;
+    match t {
+        PType::Int => Type::INT8,
+        PType::Float => Type::NUMERIC,
+        PType::Str => Type::TEXT,
+        PType::Bool => Type::BOOL,
+    }
+}
+
 /// Whether the plane can render a column of this type exactly as psycopg2 + render.py would.
 pub fn column_supported(ty: &Type, tz_utc: bool) -> bool {
     if matches!(ty.kind(), Kind::Enum(_)) {
@@ -371,11 +382,19 @@ impl Lease {
 
     /// The prepared statement for `sql` (cached per session); Err on any failure (forward: a prepare
     /// error can differ from what psycopg2's literal-bound execution reports).
-    pub async fn prepare(&mut self, sql: &str) -> Result<Statement, ExecError> {
+    /// `typed`: the types psycopg2's literals would have (str → text, int → int8, float → numeric, bool),
+    /// used only when PostgreSQL cannot infer a parameter's type by itself (`:x IS NULL`).
+    pub async fn prepare(&mut self, sql: &str, typed: &[Type]) -> Result<Statement, ExecError> {
         if let Some(s) = self.session.stmts.get(sql) {
             return Ok(s.clone());
         }
-        let st = self.session.client.prepare(sql).await.map_err(|_| ExecError::Forward("prepare failed"))?;
+        let st = match self.session.client.prepare(sql).await {
+            Ok(st) => st,
+            Err(e) if e.code() == Some(&SqlState::INDETERMINATE_DATATYPE) => {
+                self.session.client.prepare_typed(sql, typed).await.map_err(|_| ExecError::Forward("prepare failed"))?
+            }
+            Err(_) => return Err(ExecError::Forward("prepare failed")),
+        };
         if self.session.stmts.len() > 256 {
             self.session.stmts.clear();
         }

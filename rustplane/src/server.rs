@@ -58,13 +58,16 @@ pub struct Shared {
     pub mask_key: Option<Vec<u8>>,
     pub admin_key: Option<String>,
     pub record_wait_ms: u64,
+    /// QAG_PLANE_DEBUG=1: say on stderr why a data call was forwarded.
+    pub debug: bool,
     producer: Mutex<Producer>,
 }
 
 impl Shared {
     pub fn new(seg: Segment, slot: usize, upstream: Upstream, home: String, mask_key: Option<Vec<u8>>,
                admin_key: Option<String>, record_wait_ms: u64) -> Shared {
-        Shared { seg, slot, upstream, home, mask_key, admin_key, record_wait_ms, producer: Mutex::new(Producer::default()) }
+        Shared { seg, slot, upstream, home, mask_key, admin_key, record_wait_ms,
+                 debug: std::env::var("QAG_PLANE_DEBUG").is_ok_and(|v| !v.is_empty() && v != "0"), producer: Mutex::new(Producer::default()) }
     }
 }
 
@@ -244,7 +247,7 @@ fn error_response(err: &ApiError, rid: &str) -> Response<Body> {
 /// What the plane decided for a request it looked at.
 enum Decision {
     Answer(Response<Body>),
-    Forward,
+    Forward(&'static str),
 }
 
 fn is_query_name(n: &str) -> bool {
@@ -279,19 +282,19 @@ async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Option<IpAddr>)
     let path = req.uri().path();
     let name = &path[3..];
     if !is_query_name(name) {
-        return Decision::Forward;
+        return Decision::Forward("query name");
     }
-    let Some(secret) = single_header(req, "x-api-key") else { return Decision::Forward };
+    let Some(secret) = single_header(req, "x-api-key") else { return Decision::Forward("no single X-API-Key") };
     if secret.is_empty() || sh.admin_key.as_deref() == Some(secret) {
-        return Decision::Forward;
+        return Decision::Forward("administrator");
     }
-    let Some(given) = params::parse_query(req.uri().query().unwrap_or("")) else { return Decision::Forward };
+    let Some(given) = params::parse_query(req.uri().query().unwrap_or("")) else { return Decision::Forward("query string") };
     let t0 = Instant::now();
     let mut stages = Vec::with_capacity(6);
     let hash: String = Sha256::digest(secret.as_bytes()).iter().map(|b| format!("{b:02x}")).collect();
-    let Some(key) = KeyEntry::load(&sh.seg, &hash) else { return Decision::Forward };
+    let Some(key) = KeyEntry::load(&sh.seg, &hash) else { return Decision::Forward("no current key entry") };
     if key.rate_limited {
-        return Decision::Forward;
+        return Decision::Forward("rate-limited key");
     }
     let rid = request_id(req);
     let mut run = Run {
@@ -315,19 +318,20 @@ async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Option<IpAddr>)
     }
     let plan = match PlanEntry::load(&sh.seg, &key.name, name) {
         PlanLookup::Hit(p) => p,
-        _ => return Decision::Forward,
+        _ => return Decision::Forward("no current plan entry"),
     };
     if plan.dialect != "postgres" || plan.is_write || plan.paged_sql(1, 1).is_none() {
-        return Decision::Forward;
+        return Decision::Forward("plan not servable (dialect, write, paging)");
     }
     if plan.transforms.as_ref().is_some_and(|t| t.contains(&Action::Hash)) && sh.mask_key.is_none() {
-        return Decision::Forward;
+        return Decision::Forward("hash without a mask key");
     }
-    let Some(conn) = ConnEntry::load(&sh.seg, &plan.connection) else { return Decision::Forward };
+    let Some(conn) = ConnEntry::load(&sh.seg, &plan.connection) else { return Decision::Forward("no current connection entry") };
     if conn.db != "postgres" || conn.options.contains_key("sslmode") {
-        return Decision::Forward;
+        return Decision::Forward("connection not plain postgres");
     }
-    let Some(password) = password_for(&sh.home, &conn) else { return Decision::Forward };
+    let Some(password) = password_for(&sh.home, &conn) else { return Decision::Forward("connection password unreadable") };
+    let password = password.filter(|p| !p.is_empty());
     run.key_name = Some(key.name.clone());
     let fail = |mut run: Run, err: ApiError, plan_hit: Option<bool>, q: Option<f64>| async move {
         run.status = err.status;
@@ -338,7 +342,7 @@ async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Option<IpAddr>)
     };
     let opts = match params::call_options(&given, plan.default_page_size, plan.max_page_size) {
         Ok(o) => o,
-        Err(Outcome::Forward(_)) => return Decision::Forward,
+        Err(Outcome::Forward(_)) => return Decision::Forward("options need Python"),
         Err(Outcome::Error(e)) => return fail(run, e, None, None).await,
     };
     let t = stage(&mut stages, "auth", t0);
@@ -347,26 +351,29 @@ async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Option<IpAddr>)
     let t = stage(&mut stages, "plan", t);
     let values = match params::bind(&plan.specs, &given) {
         Ok(v) => v,
-        Err(Outcome::Forward(_)) => return Decision::Forward,
+        Err(Outcome::Forward(_)) => return Decision::Forward("parameters need Python"),
         Err(Outcome::Error(e)) => return fail(run, e, Some(true), None).await,
     };
     let mut bound = Vec::with_capacity(plan.arg_names.len());
     for n in &plan.arg_names {
         match values.iter().find(|(k, _)| k == n) {
             Some((_, v)) => bound.push(v.clone()),
-            None => return Decision::Forward,
+            None => return Decision::Forward("argument unbound"),
         }
     }
     let t = stage(&mut stages, "bind", t);
-    let Some(sql) = plan.paged_sql(opts.page, opts.page_size) else { return Decision::Forward };
+    let Some(sql) = plan.paged_sql(opts.page, opts.page_size) else { return Decision::Forward("paging mode") };
     let spec = SessionSpec { conn, password, timeout_ms: (plan.query_timeout * 1000.0) as u64 };
     let pool = pg::pool_for(&spec);
-    let Ok(mut lease) = Lease::get(pool).await else { return Decision::Forward };
-    let st = match lease.prepare(&sql).await {
+    let Ok(mut lease) = Lease::get(pool).await else { return Decision::Forward("cannot connect") };
+    let typed: Vec<tokio_postgres::types::Type> = plan.arg_names.iter()
+        .map(|n| plan.specs.iter().find(|s| s.name == *n).map_or(tokio_postgres::types::Type::TEXT, |s| pg::literal_type(s.ty)))
+        .collect();
+    let st = match lease.prepare(&sql, &typed).await {
         Ok(st) => st,
         Err(_) => {
             lease.release(); // kept only if the session is still open
-            return Decision::Forward;
+            return Decision::Forward("prepare failed");
         }
     };
     // Decide everything that could make the answer differ from Python's before executing.
@@ -377,7 +384,7 @@ async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Option<IpAddr>)
         || st.params().len() != bound.len()
     {
         lease.release();
-        return Decision::Forward;
+        return Decision::Forward("result shape or types");
     }
     let mut args = Vec::with_capacity(bound.len());
     for (ty, v) in st.params().iter().zip(&bound) {
@@ -385,11 +392,15 @@ async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Option<IpAddr>)
             Some(a) => args.push(a),
             None => {
                 lease.release();
-                return Decision::Forward;
+                return Decision::Forward("parameter type");
             }
         }
     }
     let columns: Vec<String> = st.columns().iter().map(|c| c.name().to_string()).collect();
+    if !plan.names_match(&columns) {
+        lease.release();
+        return Decision::Forward("masked names differ");
+    }
     let result = lease.query(&st, &args).await;
     let t1 = stage(&mut stages, "execute", t);
     let query_seconds = (t1 - t).as_secs_f64();
@@ -406,13 +417,13 @@ async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Option<IpAddr>)
             lease.release();
             return fail(run, ApiError::new(500, "query_failed", QUERY_FAILED), Some(true), None).await;
         }
-        Err(ExecError::Forward(_)) => return Decision::Forward, // the session is dropped (closed)
+        Err(ExecError::Forward(_)) => return Decision::Forward("execution: connection or value"), // the session is dropped (closed)
     };
     let (columns, mut rows) = match &plan.transforms {
         None => (columns, rows),
         Some(acts) => match mask::apply(acts, sh.mask_key.as_deref().unwrap_or(b""), columns, rows) {
             Some(x) => x,
-            None => return Decision::Forward,
+            None => return Decision::Forward("masking width"),
         },
     };
     let t = stage(&mut stages, "govern", t1);
@@ -425,7 +436,7 @@ async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Option<IpAddr>)
         Format::Ndjson => render::render_ndjson(&columns, &rows),
         Format::Csv => match render::render_csv(&columns, &rows) {
             Some(b) => b,
-            None => return Decision::Forward,
+            None => return Decision::Forward("CSV of a JSON value"),
         },
     };
     stage(&mut stages, "render", t);
@@ -530,8 +541,13 @@ fn bad_gateway(detail: &str) -> Response<Body> {
 
 pub async fn handle(sh: Arc<Shared>, req: Request<Incoming>, peer: Option<IpAddr>) -> Result<Response<Body>, Infallible> {
     if req.method() == hyper::Method::GET && req.uri().path().starts_with("/q/") {
-        if let Decision::Answer(r) = serve_query(&sh, &req, peer).await {
-            return Ok(r);
+        match serve_query(&sh, &req, peer).await {
+            Decision::Answer(r) => return Ok(r),
+            Decision::Forward(why) => {
+                if sh.debug {
+                    eprintln!("qag-plane: forwarding {}: {why}", req.uri());
+                }
+            }
         }
     }
     Ok(forward(&sh.upstream, req, peer).await)
