@@ -102,6 +102,7 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
     start = 0                 # ring the next read starts from, rotated so no ring starves the others
     idle = 0.0005
     next_prune = time.monotonic() + prune_every_s
+    prune_fut = None
     last_publish = 0.0
     nrings = len(rings)
 
@@ -190,6 +191,20 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
                 pending = None
                 do_publish()
                 last_publish = now
+            if prune_fut is not None and prune_fut.done():
+                try:
+                    deleted = prune_fut.result()
+                except Exception as e:  # noqa: BLE001 - retention retries on the next round
+                    log.warning("run store retention failed: %s", e)
+                    deleted = 0
+                # More expired rows: the next chunk soon, never one long delete.
+                next_prune = now + (0.2 if deleted else prune_every_s)
+                prune_fut = None
+            if prune_fut is None and now >= next_prune and not stopping:
+                # One bounded chunk, queued on the writer between two commits: retention runs under
+                # sustained load too, and delays a commit by one chunk at most.
+                prune_fut = writer.submit(store.prune, prune_rows)
+                next_prune = float("inf")
             full = nbatch >= batch_max
             due = batch and (full or stopping or (now - batch_t0) * 1000.0 >= batch_ms)
             if due:
@@ -212,15 +227,7 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
             if got:
                 idle = 0.0005
                 continue
-            # Idle (or a partial batch waiting for its time): prune a chunk now and then, beat, sleep.
-            if now >= next_prune and pending is None and not batch:
-                deleted = 0
-                try:
-                    deleted = writer.submit(store.prune, prune_rows).result()
-                except Exception as e:  # noqa: BLE001 - retention retries on the next round
-                    log.warning("run store retention failed: %s", e)
-                # More expired rows: the next chunk soon, between batches, never one long delete.
-                next_prune = time.monotonic() + (0.2 if deleted else prune_every_s)
+            # Idle (or a partial batch waiting for its time): beat, sleep.
             if now - last_publish >= 1.0:
                 do_publish()
                 last_publish = now

@@ -256,3 +256,31 @@ def test_a_write_that_keeps_failing_at_stop_leaves_the_runs_in_the_rings():
     stop.set()
     state = run_recorder(src, store, stop, stop_grace_s=0.2)
     assert state.records == 0 and src.rings[0].tail == 0 and state.errors >= 1
+
+
+def test_retention_runs_under_sustained_load_in_bounded_chunks():
+    src, store = FakeSource(1), ObservedStore()
+    calls = []
+    orig = store.prune
+    store.prune = lambda n: calls.append(n) or orig(n)
+    stop, quit_ = threading.Event(), threading.Event()
+
+    def produce():
+        i = 0
+        while not quit_.is_set():
+            src.rings[0].push(rr.encode(request_id=f"s{i}"))
+            i += 1
+            if i % 20 == 0:
+                time.sleep(0.001)
+
+    p = threading.Thread(target=produce)
+    p.start()
+    t = threading.Thread(target=run_recorder, args=(src, store, stop),
+                         kwargs={"batch_ms": 2, "prune_every_s": 0.05, "prune_rows": 123})
+    t.start()
+    time.sleep(0.6)
+    quit_.set()
+    p.join()
+    stop.set()
+    t.join(10)
+    assert len(calls) >= 3 and set(calls) == {123}
