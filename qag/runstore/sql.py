@@ -413,16 +413,29 @@ class SqlRunStore:
              "WHERE event_id < %s ORDER BY event_id LIMIT %s)", (hi_cut, max_rows)),
             ("DELETE FROM qag_usage_minute WHERE (minute, key_name, query) IN (SELECT minute, key_name, query "
              "FROM qag_usage_minute WHERE minute < %s ORDER BY minute LIMIT %s)", (us_cut, max_rows)),
+            # Positions of segments gone quiet for that long (each segment incarnation has its own
+            # source): nothing of theirs is unreleased any more, the rings' tails are right.
+            ("DELETE FROM qag_recorder_positions WHERE updated_us < %s",
+             ((t - s.events_retention_hours * 3_600_000) * 1000,)),
         ]
         with self._lock:
-            for sql, params in stmts:
+            for i, (sql, params) in enumerate(stmts):
                 if self.pg:
-                    with self.conn.cursor() as cur:
-                        cur.execute(sql, params)
-                        total += cur.rowcount
-                    self.conn.commit()
+                    self._pg_alive()
+                    try:
+                        with self.conn.cursor() as cur:
+                            cur.execute(sql, params)
+                            n = cur.rowcount
+                        self.conn.commit()
+                    except BaseException as e:
+                        if not self.conn.closed:
+                            self.conn.rollback()
+                        self._pg_failed(e)
+                        raise
                 else:
-                    total += self.conn.execute(self._q(sql), params).rowcount
+                    n = self.conn.execute(self._q(sql), params).rowcount
+                if i < 3:  # runs, not bookkeeping: what the caller loops on
+                    total += n
         return total
 
     # -- read side (the HTTP routes) -------------------------------------------------------------
