@@ -8,9 +8,10 @@ FROM rust:1-slim-bookworm AS plane
 WORKDIR /src/rustplane
 # Only the crate: a change under qag/ or tests/ does not rebuild the plane.
 COPY rustplane/ /src/rustplane/
-# The registry cache survives between builds (BuildKit); the binary leaves the stage through /out.
+# --locked: the image gets exactly the committed Cargo.lock. The registry cache survives between builds
+# (BuildKit); the binary leaves the stage through /out.
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
-    cargo build --release \
+    cargo build --release --locked \
  && install -D -m 0755 target/release/qag-plane /out/qag-plane
 
 # --- stage 2: the runtime -----------------------------------------------------------------------

@@ -241,7 +241,7 @@ def test_runtime_stage_copies_exactly_the_package_build_inputs():
 def test_installed_package_holds_every_module_of_the_source_tree():
     """What `pip install .` ships is what setuptools finds; a directory of modules it misses runs from the
     checkout (tests, `pip install -e`) but not from the image."""
-    from setuptools import find_packages
+    find_packages = pytest.importorskip("setuptools").find_packages
     cp = _setup_cfg()
     found = set(find_packages(where=str(ROOT), include=_cfg_list(cp["options.packages.find"]["include"])))
     roots = {p.split(".")[0] for p in _cfg_list(cp["options.packages.find"]["include"])}
@@ -320,6 +320,24 @@ def test_plane_stage_builds_the_crates_binary_where_qag_looks_for_it(tmp_path, m
     monkeypatch.delenv("QAG_PLANE_BIN", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))
     assert arbiter.plane_binary() == str(binary)
+
+
+def test_plane_lock_file_covers_every_dependency():
+    """The image builds with --locked: a dependency added to Cargo.toml but not to Cargo.lock fails it."""
+    plane = _stages()["plane"]
+    build = " ".join(i["args"] for i in _dockerfile() if i["stage"] == plane and i["op"] == "RUN")
+    assert "--locked" in build
+    crate = ROOT / "rustplane"
+    manifest = tomllib.loads((crate / "Cargo.toml").read_text())
+    lock = tomllib.loads((crate / "Cargo.lock").read_text())
+    root = [p for p in lock["package"] if p["name"] == manifest["package"]["name"]]
+    assert len(root) == 1
+    locked = {d.split()[0] for d in root[0].get("dependencies", [])}
+    declared = set()
+    for table in ("dependencies", "dev-dependencies", "build-dependencies"):
+        for name, spec in manifest.get(table, {}).items():
+            declared.add(spec.get("package", name) if isinstance(spec, dict) else name)
+    assert declared == locked, f"Cargo.lock is out of step with Cargo.toml: {sorted(declared ^ locked)}"
 
 
 def test_plane_sources_stay_inside_the_crate():
