@@ -4,6 +4,7 @@ its calls and how to count round trips; this module does the rest (bench/README.
 import argparse
 import atexit
 import os
+import signal
 import sys
 import time
 import uuid
@@ -99,9 +100,12 @@ class Bench:
         self.health_target = T.FloorHello(opts, workload)
         self.health_target.name = 'health_floor'
         self.failures = []
+        self._primed = set()
         self.rotation = 0  # carried across the parts of a block, so no target always gets the first slot
         self._db_affinity = None
         atexit.register(self.close)
+        # SIGTERM (CI timeouts) must still stop the servers this session started
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     # ---------------------------------------------------------------- plumbing
     def close(self):
@@ -139,6 +143,7 @@ class Bench:
         """One run against a started target: warm-up, then oha with CPU snapshots around it."""
         url = H.regex_escape_base(target.base) + target.path(call)
         headers = target.headers(call)
+        self.prime(target, call, url, headers)
         if warm and self.opts.warmup > 0:
             H.run_oha(self.oha, url, duration=self.opts.warmup, conns=min(8, conns), headers=headers,
                       load_cpus=self.opts.load_cpus, method=call.method)
@@ -159,6 +164,16 @@ class Bench:
             'cpu_busy': H.busy_fraction(b0, b1, None),
         })
         return r
+
+    def prime(self, target, call, url, headers):
+        """The first calls of a (server process, call) pair wait for what a gateway loads once (schema reads,
+        governance traces, pools): make a few, sequentially and without a deadline, before anything is timed."""
+        key = (target.name, target.proc.pid if target.proc else None, call.name)
+        if key in self._primed:
+            return
+        H.run_oha(self.oha, url, duration=None, requests=4, conns=1, headers=headers, load_cpus=self.opts.load_cpus,
+                  method=call.method)
+        self._primed.add(key)
 
     def record(self, block, target, call, round_no, r, **extra):
         row = self.results.add(block=block, target=target.name, call=call.name, query=call.query, key=call.key,
@@ -398,6 +413,7 @@ class Bench:
         for t in tgts:
             try:
                 self.start(t, workers=1)
+                self.prime(t, call, H.regex_escape_base(t.base) + t.path(call), t.headers(call))
                 s0 = H.all_stats()
                 t0 = t.ticks(s0)
                 H.run_oha(self.oha, H.regex_escape_base(t.base) + t.path(call), duration=self.opts.warmup or 0.5,

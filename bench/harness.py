@@ -180,11 +180,13 @@ def regex_escape_base(url):
     return ''.join(out)
 
 
-def run_oha(oha, url_regex, *, duration, conns, headers=None, rate=None, load_cpus=None, method='GET'):
+def run_oha(oha, url_regex, *, duration, conns, headers=None, rate=None, load_cpus=None, method='GET',
+            requests=None):
     """One oha run. Closed loop without rate; open loop (latency corrected) with rate. Returns a dict of
     throughput, status codes, latency percentiles (ms), and the load generator's own CPU seconds."""
     cmd = taskset_prefix(load_cpus) + [
-        oha, '--no-tui', '--output-format', 'json', '-z', f'{duration}s', '-c', str(conns), '-m', method,
+        oha, '--no-tui', '--output-format', 'json', '-c', str(conns), '-m', method,
+        *(['-n', str(requests)] if requests else ['-z', f'{duration}s']),
         '--rand-regex-url',
         # oha's tokio runtime defaults to one thread per physical core of the machine, not of its taskset
         '--worker-threads', str(max(1, len(load_cpus or []) or os.cpu_count()))]
@@ -219,7 +221,7 @@ def run_oha(oha, url_regex, *, duration, conns, headers=None, rate=None, load_cp
         v = pct.get(key)
         return round(v * 1000, 4) if v is not None else None
 
-    total_secs = summ.get('total') or duration
+    total_secs = summ.get('total') or duration or 1
     return {
         'rps': round(n_total / total_secs, 2) if total_secs else 0.0,
         'ok_rps': round(n_2xx / total_secs, 2) if total_secs else 0.0,

@@ -202,7 +202,8 @@ class Peer(ManagedGateway):
         self.name = 'peer_cache' if cache else 'peer'
         super().__init__(opts, workload)
         self.home = tempfile.mkdtemp(prefix=f'qagbench-{self.name}-home-')
-        self.store = 'qag_bench_peerstore' + ('_cache' if cache else '')
+        # one store per target and harness, so the two harnesses can't drop each other's store
+        self.store = 'qag_bench_peerstore' + ('_cache' if cache else '') + getattr(opts, 'store_suffix', '')
         recreate_pg_db(self.store)
 
     @staticmethod
@@ -261,7 +262,7 @@ class Qag(ManagedGateway):
         self.name = 'qag_plane' if plane else 'qag'
         super().__init__(opts, workload)
         self.home = tempfile.mkdtemp(prefix=f'qagbench-{self.name}-home-')
-        self.store = 'qag_bench_store' + ('_plane' if plane else '')
+        self.store = 'qag_bench_store' + ('_plane' if plane else '') + getattr(opts, 'store_suffix', '')
         recreate_pg_db(self.store)
 
     @staticmethod
