@@ -116,7 +116,6 @@ class DataResource:
     def serve(self, req, resp, name: str, given: dict, body_params: dict | None) -> None:
         app, rt = self.app, self.app.runtime
         t0 = time.perf_counter()
-        stages: list[tuple[str, float]] = []
         run: dict[str, Any] = {"at_us": time.time_ns() // 1000, "query": name, "version": None, "key_name": None, "connection": None,
                                "rows": 0, "bytes": 0, "transport": "http"}
         query_seconds = None
@@ -126,16 +125,16 @@ class DataResource:
             run["key_name"] = None if principal.admin else principal.name
             rt.check_rate(principal)
             opts = call_options(given, app.cfg)
-            t = _lap(stages, "auth", t0)
+            t_auth = time.perf_counter()
             hits = rt.plan_hits
             plan, crow, connector = rt.plan(principal, name, opts.version)
             plan_hit = rt.plan_hits > hits
             run["version"], run["connection"] = plan.version, plan.connection
-            t = _lap(stages, "plan", t)
+            t_plan = time.perf_counter()
             values = P.bind(plan.specs, body_params if body_params is not None else opts.params,
                             app.cfg.max_param_bytes)
             args = plan.bind_args(values)
-            t = _lap(stages, "bind", t)
+            t_bind = time.perf_counter()
             cache_key = None
             if plan.cache_ttl and not plan.is_write and not opts.stream:
                 cache_key = (principal.name, plan.query, plan.version, plan.gens, args, opts.page, opts.page_size,
@@ -163,11 +162,11 @@ class DataResource:
                 cols, rows, count = connector.run(sql, args, write=False, timeout=opts.timeout,
                                                   max_rows=None if plan.page_mode != "none"
                                                   else opts.page * opts.page_size + 1)
-            t1 = _lap(stages, "execute", t)
-            query_seconds = t1 - t
+            t_exec = time.perf_counter()
+            query_seconds = t_exec - t_bind
             if plan.transforms is not None:
                 cols, rows = app.apply_transforms(plan.transforms, cols, rows, rt.mask_key, plan.names)
-            t = _lap(stages, "govern", t1)
+            t_gov = time.perf_counter()
             if plan.is_write and not cols:
                 body = json.dumps({"affected_rows": count}).encode() if opts.format == "json" else b""
                 resp.set_header("X-Affected-Rows", str(count))
@@ -188,13 +187,15 @@ class DataResource:
                     resp.set_header("X-Page-Size", str(opts.page_size))
                     resp.set_header("X-Row-Count", str(nrows))
                     resp.set_header("X-Has-More", "true" if has_more else "false")
-            t = _lap(stages, "render", t)
+            t_render = time.perf_counter()
             if cache_key is not None:
                 app.cache_result(cache_key, plan.cache_ttl, body, nrows, resp)
             resp.content_type = render.FORMATS[opts.format]
             resp.data = body
             run["rows"], run["bytes"] = nrows, len(body)
-            resp.set_header("Server-Timing", ", ".join(f"{n};dur={d * 1000:.3f}" for n, d in stages))
+            resp.set_header("Server-Timing", SERVER_TIMING % (
+                (t_auth - t0) * 1000, (t_plan - t_auth) * 1000, (t_bind - t_plan) * 1000, (t_exec - t_bind) * 1000,
+                (t_gov - t_exec) * 1000, (t_render - t_gov) * 1000))
             app.finish(req, run, 200, None, t0, query_seconds, plan_hit)
         except ApiError as err:
             app.finish(req, run, err.status, err.code, t0, query_seconds, plan_hit)
@@ -241,6 +242,10 @@ class DataResource:
                 app.finish(req, run, 200 if ok else 500, None if ok else "stream_aborted", t0, None, None)
         resp.content_type = render.FORMATS[opts.format]
         resp.stream = body()
+
+
+SERVER_TIMING = ("auth;dur=%.3f, plan;dur=%.3f, bind;dur=%.3f, execute;dur=%.3f, govern;dur=%.3f, "
+                 "render;dur=%.3f")
 
 
 class CallOptions:
@@ -316,12 +321,6 @@ def _int_opt(given: dict, name: str, default: int, lo: int, hi: int | None) -> i
     return v
 
 
-def _lap(stages: list, name: str, since: float) -> float:
-    now = time.perf_counter()
-    stages.append((name, now - since))
-    return now
-
-
 class QagApp:
     """The WSGI application and what its resources share."""
 
@@ -383,11 +382,13 @@ class QagApp:
 
     def finish(self, req, run: dict, status: int, code: str | None, t0: float, query_seconds, plan_hit) -> None:
         duration = time.perf_counter() - t0
-        self.observer.request(DataResource.ROUTE, status, code, run.get("rows", 0), duration, query_seconds, plan_hit)
+        recorded = None
         if self.recorder is not None:
-            run.update(status=status, code=code, duration_us=int(duration * 1e6),
-                       request_id=req.context.get("request_id", ""), route=DataResource.ROUTE)
-            self.recorder(run)
+            run["status"], run["code"], run["duration_us"] = status, code, int(duration * 1e6)
+            run["request_id"], run["route"] = req.context.request_id, DataResource.ROUTE
+            recorded = self.recorder(run)
+        self.observer.request(DataResource.ROUTE, status, code, run["rows"], duration, query_seconds, plan_hit,
+                              recorded)
 
     # -- errors --------------------------------------------------------------------------------
     def _on_api_error(self, req, resp, err, params):

@@ -76,6 +76,10 @@ class LocalBackend:
             return dict(self.values), {k: ([*v[0]], v[1], v[2]) for k, v in self.hist.items()}
 
 
+_HIT = (("result", "hit"),)
+_MISS = (("result", "miss"),)
+
+
 class Observer:
     """The one observation type: every count and timing of a call goes through here."""
 
@@ -85,24 +89,29 @@ class Observer:
         self.gauges = []  # callables yielding (name, labels, value)
         # A slot's counter cells have one writer: this process's threads take turns (shm/LAYOUT.md, Counters).
         self.lock = threading.Lock()
+        self._labels: dict = {}
 
     def request(self, route: str, status: int, code: str | None, rows: int, duration: float,
-                query_seconds: float | None = None, plan_hit: bool | None = None) -> None:
-        with self.lock:
-            self._request(route, status, code, rows, duration, query_seconds, plan_hit)
-
-    def _request(self, route, status, code, rows, duration, query_seconds, plan_hit) -> None:
+                query_seconds: float | None = None, plan_hit: bool | None = None,
+                recorded: bool | None = None) -> None:
+        labels = self._labels.get((route, status))
+        if labels is None:  # label tuples built once per (route, status), not per call
+            labels = self._labels[(route, status)] = ((("route", route), ("status", str(status))),
+                                                      (("route", route),))
         b, slot = self.backend, self.slot
-        b.counter_add(slot, "qag_requests_total", (("route", route), ("status", str(status))), 1)
-        if code:
-            b.counter_add(slot, "qag_errors_total", (("code", code),), 1)
-        if rows:
-            b.counter_add(slot, "qag_rows_total", (), rows)
-        b.histogram_observe(slot, "qag_request_duration_seconds", (("route", route),), duration)
-        if query_seconds is not None:
-            b.histogram_observe(slot, "qag_query_duration_seconds", (), query_seconds)
-        if plan_hit is not None:
-            b.counter_add(slot, "qag_plan_cache_total", (("result", "hit" if plan_hit else "miss"),), 1)
+        with self.lock:
+            b.counter_add(slot, "qag_requests_total", labels[0], 1)
+            if code:
+                b.counter_add(slot, "qag_errors_total", (("code", code),), 1)
+            if rows:
+                b.counter_add(slot, "qag_rows_total", (), rows)
+            b.histogram_observe(slot, "qag_request_duration_seconds", labels[1], duration)
+            if query_seconds is not None:
+                b.histogram_observe(slot, "qag_query_duration_seconds", (), query_seconds)
+            if plan_hit is not None:
+                b.counter_add(slot, "qag_plan_cache_total", _HIT if plan_hit else _MISS, 1)
+            if recorded is not None:
+                b.counter_add(slot, "qag_runs_recorded_total" if recorded else "qag_runs_lost_total", (), 1)
 
     def store_statement(self) -> None:
         with self.lock:

@@ -33,8 +33,7 @@ class RingRecorder:
                                  run["status"], run["code"], run["rows"], run["duration_us"], run["bytes"],
                                  run["request_id"], self.served_by, run["transport"], run["route"])
         with self.lock:
-            ok = self.ring.push(payload, self.wait_ms)
-        self.observer.run_recorded(ok)
+            return self.ring.push(payload, self.wait_ms)
 
 
 def segment_gauges(segment, runtime):

@@ -206,8 +206,17 @@ def test_warm_calls_read_nothing_from_store_and_metrics_count_every_call(pgbench
     srv = start_server()
     key = setup(srv)
     s = requests.Session()
-    for _ in range(20):  # warm both workers
-        requests.get(srv.base + "/q/account?aid=1", headers={"X-API-Key": key})
+    def warm_slots():
+        slots = requests.get(srv.base + "/-/shm", headers=srv.admin).json()["process_slots"]
+        return [p for p in slots if p["role"] == "worker"
+                and any("qag_plan_cache_total" in k and "hit" in k for k in p["counters"])]
+    deadline = time.time() + 20
+    while len(warm_slots()) < 2:  # warm both workers: each has answered from its plan cache
+        assert time.time() < deadline
+        ts = [threading.Thread(target=lambda: [requests.get(srv.base + "/q/account?aid=1", headers={"X-API-Key": key})
+                                               for _ in range(5)]) for _ in range(8)]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
     before = metric(srv, "qag_store_statements_total")
     calls_before = metric(srv, 'qag_requests_total{route="/q/{name}",status="200"}')
     n = 1000
