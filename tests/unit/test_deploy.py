@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import configparser
 import http.server
+import importlib.util
 import json
 import os
 import re
@@ -845,6 +846,118 @@ def test_servicemonitor_is_gated_by_values():
     assert text.lstrip().startswith("{{- if .Values.metrics.serviceMonitor.enabled }}")
     assert _values()["metrics"]["serviceMonitor"]["enabled"] is False
     assert "path: /metrics" in text
+
+
+# Rendering by Helm itself, when the helm-python-sdk wheel (Helm's Go SDK as a C library) is installed. It runs
+# in a subprocess, so a fault in the native library cannot take the test session down.
+_RENDER = r"""
+import json, sys
+import helm_python as helm
+req = json.load(sys.stdin)
+try:
+    if req["op"] == "lint":
+        out = helm.lint(req["chart"], req["values"])
+    else:
+        with helm.Chart.load(req["chart"]) as chart:
+            out = {"manifests": chart.render(req["values"], name="rel", namespace="ns")}
+except Exception as exc:
+    out = {"error": str(exc)}
+json.dump(out, sys.stdout)
+"""
+needs_helm = pytest.mark.skipif(importlib.util.find_spec("helm_python") is None,
+                                reason="helm-python-sdk not installed (no helm binary reachable here)")
+SHARED = {"secrets": {"databaseUrl": "postgresql://qag:pw@pg:5432/qag", "adminKey": "k"}}
+
+
+def _helm(op: str, values: dict) -> dict:
+    r = subprocess.run([sys.executable, "-c", _RENDER], input=json.dumps({"op": op, "chart": str(CHART),
+                       "values": values}), capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def _rendered(values: dict) -> dict[str, dict]:
+    """kind -> manifest, from a successful render."""
+    out = _helm("render", values)
+    assert "error" not in out, out.get("error")
+    docs = {}
+    for name, text in out["manifests"].items():
+        if name.endswith(".yaml"):
+            for doc in _yaml().safe_load_all(text):
+                if doc:
+                    assert doc["kind"] not in docs
+                    docs[doc["kind"]] = doc
+    return docs
+
+
+def _container(docs) -> dict:
+    (c,) = docs["Deployment"]["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def _plain_env(c) -> dict[str, str]:
+    names = [e["name"] for e in c["env"]]
+    assert len(names) == len(set(names)), f"duplicate env: {names}"
+    assert set(names) <= SETTINGS
+    return {e["name"]: e["value"] for e in c["env"] if "value" in e}
+
+
+@needs_helm
+def test_helm_lint_finds_nothing_above_info():
+    out = _helm("lint", SHARED)
+    assert not out["errors"] and all(m["severity"] < 2 for m in out["messages"]), out
+
+
+@needs_helm
+def test_helm_refuses_replicas_without_the_shared_store():
+    out = _helm("render", {})
+    assert "shared PostgreSQL store" in out.get("error", ""), out
+
+
+@needs_helm
+def test_helm_renders_settings_qag_accepts(monkeypatch):
+    docs = _rendered({**SHARED, "metrics": {"serviceMonitor": {"enabled": True}}, "plane": {"threads": 3}})
+    assert set(docs) == {"Deployment", "Service", "Secret", "ServiceMonitor", "PodDisruptionBudget"}
+    c = _container(docs)
+    cfg = config.load(environ=_plain_env(c))
+    assert cfg.bind == "0.0.0.0:8080" and cfg.workers == "auto" and cfg.pin
+    args = _serve_args(monkeypatch, c["args"])
+    assert args.plane and args.plane_threads == 3
+    exposed = [p.split("/")[0] for i in _final("EXPOSE") for p in i["args"].split()]
+    assert [str(p["containerPort"]) for p in c["ports"]] == exposed
+    secret = docs["Secret"]["data"]
+    for e in c["env"]:
+        ref = e.get("valueFrom", {}).get("secretKeyRef")
+        if ref:
+            assert ref["name"] == docs["Secret"]["metadata"]["name"]
+            assert ref["key"] == e["name"] and (ref["key"] in secret or ref["optional"] is True)
+    pod = docs["Deployment"]["spec"]["template"]["spec"]
+    shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    assert pod["securityContext"]["runAsUser"] == int(_final("USER")[-1]["args"].split(":")[0])
+    assert c["resources"]["requests"] == c["resources"]["limits"]
+    sm = docs["ServiceMonitor"]["spec"]["endpoints"][0]
+    assert sm["path"] == "/metrics" and "authorization" not in sm
+    assert docs["Service"]["spec"]["selector"] == docs["Deployment"]["spec"]["selector"]["matchLabels"]
+
+
+@needs_helm
+def test_helm_without_exclusive_cpus_sizes_workers_by_the_limit():
+    docs = _rendered({**SHARED, "pinning": {"exclusiveCpus": False}})
+    cfg = config.load(environ=_plain_env(_container(docs)))
+    assert cfg.workers == 2 and not cfg.pin
+
+
+@needs_helm
+def test_helm_existing_secret_single_replica_no_plane(monkeypatch):
+    docs = _rendered({"replicaCount": 1, "secrets": {"existingSecret": "qag-prod", "metricsToken": ""},
+                      "plane": {"enabled": False}})
+    assert set(docs) == {"Deployment", "Service"}
+    c = _container(docs)
+    refs = [e["valueFrom"]["secretKeyRef"] for e in c["env"] if "valueFrom" in e]
+    assert refs and all(r["name"] == "qag-prod" for r in refs)
+    assert not _serve_args(monkeypatch, c["args"]).plane
 
 
 # --- the README ----------------------------------------------------------------------------------------
