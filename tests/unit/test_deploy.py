@@ -350,6 +350,24 @@ def test_plane_sources_stay_inside_the_crate():
             assert crate.resolve() in target.parents, f"{rs}: {m.group(1)} is outside rustplane/"
 
 
+@pytest.mark.skipif(importlib.util.find_spec("dockerfile") is None, reason="dockerfile (BuildKit's parser) not installed")
+def test_buildkit_parser_reads_the_same_instructions():
+    """The official parser (PyPI `dockerfile`) agrees with the one these tests use, so the checks above see
+    what `docker build` sees."""
+    import dockerfile
+    official = [(c.cmd.upper(), sorted(f.lstrip("-").split("=")[0] for f in c.flags))
+                for c in dockerfile.parse_file(str(ROOT / "Dockerfile"))]
+    ours = [(i["op"], sorted(i["flags"])) for i in _dockerfile()]
+    assert ours == official
+
+
+@pytest.mark.skipif(shutil.which("hadolint") is None, reason="hadolint not installed")
+def test_hadolint_finds_nothing():
+    r = subprocess.run(["hadolint", "--no-color", str(ROOT / "Dockerfile")], capture_output=True, text=True,
+                       timeout=60, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 def _serve_health(status: int):
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
