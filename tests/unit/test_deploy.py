@@ -957,6 +957,9 @@ def test_helm_renders_settings_qag_accepts(monkeypatch):
     assert c["resources"]["requests"] == c["resources"]["limits"]
     sm = docs["ServiceMonitor"]["spec"]["endpoints"][0]
     assert sm["path"] == "/metrics" and "authorization" not in sm
+    # The alert rules select job="qag"; the release is called "rel" here.
+    assert {"targetLabel": "job", "replacement": "qag"} in sm["relabelings"]
+    assert 'up{job="qag"}' in {r["alert"]: r["expr"] for r in _alerts()}["QagInstanceDown"]
     assert docs["Service"]["spec"]["selector"] == docs["Deployment"]["spec"]["selector"]["matchLabels"]
 
 
