@@ -292,6 +292,9 @@ class Qag(ManagedGateway):
         })
         if getattr(self.opts, 'qag_src', None):
             env['PYTHONPATH'] = self.opts.qag_src
+            plane = os.path.join(self.opts.qag_src, 'qag-plane')
+            if os.path.exists(plane):
+                env['QAG_PLANE_BIN'] = plane
         return env
 
     def history_time(self, since):
@@ -379,6 +382,10 @@ def snapshot_qag(ref):
     archive = subprocess.Popen(['git', '-C', REPO_DIR, 'archive', commit, 'qag', 'shm'], stdout=subprocess.PIPE)
     subprocess.run(['tar', '-x', '-C', dest], stdin=archive.stdout, check=True)
     archive.wait()
+    # the data plane binary is a build output, not in git: copy the current release build beside the snapshot
+    plane = os.path.join(REPO_DIR, 'rustplane', 'target', 'release', 'qag-plane')
+    if os.path.exists(plane):
+        shutil.copy2(plane, os.path.join(dest, 'qag-plane'))
     return dest, commit
 
 
