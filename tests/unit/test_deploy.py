@@ -1,8 +1,5 @@
-"""Deployment files stay in step with the code: the Dockerfile, systemd units, Compose, Prometheus, Grafana, Helm.
-
-No Docker engine, Kubernetes or systemd manager runs here, so each file is checked against what it refers to:
-paths in the repository, extras in setup.cfg, settings in qag/config.py, metrics in qag/metrics.py, the CLI's
-own parser; and with systemd-analyze, haproxy and promtool when they are installed.
+"""Deployment files (Dockerfile, systemd, Compose, Prometheus, Grafana, Helm) checked against what they name:
+repository paths, setup.cfg extras, qag/config.py settings, qag/metrics.py metrics, the CLI; real tools when installed.
 """
 from __future__ import annotations
 
