@@ -113,6 +113,49 @@ def _proc_cpu(pid: int | None) -> float:
         return 0.0
 
 
+def resume_check(kind: str, total: int, reconnects: int, seed: int = 7) -> dict:
+    """Write `total` runs, then read them as SSE clients that hang up at random points and resume
+    from the last id they got: every run must arrive exactly once, in order."""
+    import random
+
+    tmp = tempfile.mkdtemp(prefix="qag-resume-")
+    url = {"sqlite": os.path.join(tmp, "runs.db"), "postgresql": None, "clickhouse": f"chdb://{tmp}/ch"}[kind]
+    if kind == "postgresql":
+        url = _pg_db("qag_rec_resume")
+    store = open_store(url, StoreSettings())
+    store.ensure_schema()
+    try:
+        now = time.time_ns() // 1000
+        batch = 50_000 if kind == "clickhouse" else 10_000
+        for j in range(0, total, batch):
+            store.write_batch("resume", [(0, i + 1, rr.pack(now, f"svc-{i % 20}", "q", 1, "main", 200, None, 1, 1, 1,
+                                                            f"r{i}", "worker:0", "http", "/q/{name}"))
+                                         for i in range(j, min(total, j + batch))])
+        rnd = random.Random(seed)
+        cut = sorted(rnd.sample(range(1, total), reconnects))  # the client hangs up after these many runs
+        got, last, k = 0, 0, 0
+        expect = 0
+        while True:
+            stop_at = cut[k] if k < len(cut) else total
+            items = store.events_after(last, limit=min(1000, stop_at - got) or 1)
+            if not items:
+                break
+            for it in items:
+                if it["request_id"] != f"r{expect}":
+                    raise AssertionError(f"{kind}: got {it['request_id']} where r{expect} was due")
+                expect += 1
+            got += len(items)
+            last = items[-1]["event_id"]
+            if k < len(cut) and got >= cut[k]:
+                k += 1  # reconnect: a new request resuming from `last` (Last-Event-ID)
+        if expect != total:
+            raise AssertionError(f"{kind}: {expect} of {total} runs delivered")
+        return {"store": kind, "events": total, "reconnects": k, "missing": total - expect, "repeated": 0}
+    finally:
+        store.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m qag.recorder._throughput", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -120,7 +163,14 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=160_000, help="runs per round (two rings of 8 MiB hold ~180,000)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batch-max", type=int, default=None)
+    ap.add_argument("--resume-check", type=int, default=0, metavar="N",
+                    help="instead: write N runs and replay them as SSE clients reconnecting at random points")
+    ap.add_argument("--reconnects", type=int, default=7500)
     args = ap.parse_args(argv)
+    if args.resume_check:
+        for kind in args.stores.split(","):
+            print(resume_check(kind.strip(), args.resume_check, args.reconnects), flush=True)
+        return 0
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     for kind in args.stores.split(","):
         res = measure(kind.strip(), args.runs, args.rounds, args.batch_max)
