@@ -1,0 +1,1 @@
+"""HTTP resources: the Management API, the runs routes and the operations routes."""
