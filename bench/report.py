@@ -10,9 +10,10 @@ import os
 import statistics
 import sys
 
-TARGET_ORDER = ['peer', 'peer_cache', 'qag', 'qag_plane', 'floor_pg', 'floor_hello', 'health_floor', 'postgres']
-LABEL = {'peer': 'QueryAPIGate 0.43', 'peer_cache': 'QAG 0.43 + cache', 'qag': 'qag', 'qag_plane': 'qag + plane',
-         'floor_pg': 'Falcon+psycopg2 floor', 'floor_hello': 'Falcon hello floor', 'postgres': 'PostgreSQL'}
+TARGET_ORDER = ['peer', 'peer_cache', 'qag', 'qag_plane', 'floor_pg', 'floor_mysql', 'floor_hello', 'health_floor', 'postgres']
+LABEL = {'peer': 'QueryAPIGate 0.43', 'peer_cache': 'QueryAPIGate 0.43 + cache', 'qag': 'qag', 'qag_plane': 'qag + plane',
+         'floor_pg': 'Falcon+psycopg2 floor', 'floor_mysql': 'Falcon+mysql-connector floor',
+         'floor_hello': 'Falcon hello floor', 'postgres': 'PostgreSQL'}
 BLOCK_ORDER = ['dbonly', 'throughput', 'latency', 'capacity', 'openloop', 'workers', 'threads', 'recording',
                'roundtrips']
 
@@ -107,6 +108,15 @@ class Report:
                'Every cell is the median over rounds with its (min-max); a difference counts as real only when '
                'the ranges do not overlap ("clear" in ratio columns). Calls per gateway CPU-second = completed calls '
                '/ CPU seconds of the gateway\'s whole process tree (arbiter, workers, recorder, plane) from /proc.\n')
+        rounds = {b: 1 + max(r.get('round', 0) for r in self.rows if r['block'] == b)
+                  for b in BLOCK_ORDER if any(r['block'] == b for r in self.rows)}
+        durs = {b: med([r.get('duration_s') for r in self.rows if r['block'] == b])
+                for b in ('throughput', 'openloop') if any(r['block'] == b for r in self.rows)}
+        commits = sorted({r.get('qag_commit') for r in self.rows if r.get('qag_commit')})
+        self.w('Rounds per block: ' + ', '.join(f'{b} {n}' for b, n in rounds.items()) + '. Measured seconds per run: '
+               + ', '.join(f'{b} {num(d, 1)}' for b, d in durs.items()) + ' (after a warm-up at 8 callers). '
+               f'qag commit: {", ".join(c[:10] + ("+dirty" if c.endswith("+dirty") else "") for c in commits) or "-"}; '
+               f'peer: queryapigate {self.rows[0].get("peer_version", "0.43.0")} from PyPI.\n')
         if any(r.get('smoke') for r in self.rows):
             self.w('**Smoke runs included: durations of ~2 s, figures are not measurements.**\n')
 
