@@ -33,6 +33,7 @@ class RecorderState:
     __slots__ = (
         "bad_records",
         "batches",
+        "corrupt_skips",
         "errors",
         "heartbeat_ns",
         "lag_bytes",
@@ -51,6 +52,7 @@ class RecorderState:
         self.records = 0          # runs written since this process started
         self.batches = 0
         self.bad_records = 0      # payloads that were not run records (skipped, counted)
+        self.corrupt_skips = 0    # rings skipped to their head past a record failing its checksum
         self.errors = 0           # failed writes (each retried until it succeeds)
         self.last_error = ""
         self.positions: dict[int, int] = {}   # ring slot -> durable position (== ring tail)
@@ -173,7 +175,31 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
             if room > 0 and nrings and not (stopping and time.monotonic() > stop_deadline):
                 for k in range(nrings):
                     slot = (start + k) % nrings
-                    recs = rings[slot].read_from(cursor[slot], room)
+                    try:
+                        recs = rings[slot].read_from(cursor[slot], room)
+                    except Exception as e:  # shm.RingError: a record failing its checksum or length
+                        if type(e).__name__ != "RingError":
+                            raise
+                        # Past a corrupt record nothing can be parsed, and stopping would stop every
+                        # ring (the arbiter would restart us into the same record): write what was read,
+                        # then skip this ring to its head, counted and logged, never silently.
+                        if batch:
+                            prepared = store.prepare(sid, batch)
+                            if pending is not None:
+                                finish(pending)
+                            pending = (writer.submit(commit, prepared), prepared.positions, nbatch)
+                            batch, nbatch = [], 0
+                        if pending is not None:
+                            finish(pending)
+                            pending = None
+                        head = rings[slot].head
+                        skipped = head - cursor[slot]
+                        rings[slot].release(head)
+                        cursor[slot] = state.positions[slot] = head
+                        state.corrupt_skips += 1
+                        state.last_error = f"ring {slot}: {e}; skipped {skipped} bytes"[:500]
+                        log.error("ring %d: %s; skipped %d bytes of runs to its head", slot, e, skipped)
+                        continue
                     if recs:
                         if not batch:
                             batch_t0 = time.monotonic()

@@ -284,3 +284,27 @@ def test_retention_runs_under_sustained_load_in_bounded_chunks():
     stop.set()
     t.join(10)
     assert len(calls) >= 3 and set(calls) == {123}
+
+
+def test_a_corrupt_ring_is_skipped_to_its_head_and_the_others_go_on():
+    class RingError(RuntimeError):
+        pass
+
+    src, store = FakeSource(2), ObservedStore()
+    fill(src, 100)
+    bad = src.rings[1]
+    good_read = bad.read_from
+
+    def read_from(pos, n):
+        recs = good_read(pos, n)
+        if pos < bad.head and any(p > 40 * 88 for p, _ in recs):  # a record near the 40th fails its crc
+            raise RingError(f"ring 1: record at position {pos} fails its crc32")
+        return recs
+
+    bad.read_from = read_from
+    state = run_until_drained(src, store, batch_max=30)
+    ids = store.request_ids()
+    assert len([i for i in ids if i.startswith("r0-")]) == 100  # the healthy ring: every run
+    assert len(ids) == len(set(ids))
+    assert state.corrupt_skips == 1 and "crc32" in state.last_error
+    assert bad.tail == bad.head
