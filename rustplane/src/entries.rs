@@ -4,8 +4,11 @@
 use crate::mask::Action;
 use crate::msgpack::Value;
 use crate::params::Spec;
-use crate::segment::{unpack_entry, GenKind, Segment};
-use std::collections::BTreeMap;
+use crate::segment::{unpack_entry, EntryGen, GenKind, Segment};
+use std::any::Any;
+use std::cell::RefCell;
+use std::collections::{BTreeMap, HashMap};
+use std::rc::Rc;
 use std::net::IpAddr;
 
 /// Cache key of a key entry: b"k:" + lowercase hex sha256(secret).
@@ -25,14 +28,44 @@ pub fn conn_cache_key(name: &str) -> Vec<u8> {
     format!("c:{name}").into_bytes()
 }
 
-/// Read an entry and check the convention's generation list when present (LAYOUT.md [Cache entries]).
-fn fetch(seg: &Segment, key: &[u8]) -> Option<Value> {
+type MemoMap = HashMap<Vec<u8>, (Vec<u8>, Rc<dyn Any>)>;
+
+thread_local! {
+    /// Parsed entries by cache key, with the raw bytes they were parsed from: an unchanged entry is not
+    /// decoded again (the generations are still checked on every call, by the callers).
+    static MEMO: RefCell<MemoMap> = RefCell::new(HashMap::new());
+}
+
+/// The entry under `key`, parsed once per distinct value; the convention's generation list (LAYOUT.md
+/// [Cache entries]), when present, is checked against the segment on every call.
+fn fetch<T: 'static>(seg: &Segment, key: &[u8], parse: fn(&[u8], &Value) -> Option<T>) -> Option<Rc<T>> {
     let raw = seg.cache_get(key)?;
-    let (payload, gens) = unpack_entry(&raw)?;
-    if gens.iter().any(|(k, i, g)| seg.gen(*k, i) != *g) {
+    let hit = MEMO.with(|m| {
+        let m = m.borrow();
+        let (old, v) = m.get(key)?;
+        if *old == raw { v.clone().downcast::<(Vec<EntryGen>, Option<Rc<T>>)>().ok() } else { None }
+    });
+    let entry = match hit {
+        Some(e) => e,
+        None => {
+            let parsed: Rc<(Vec<EntryGen>, Option<Rc<T>>)> = Rc::new(match unpack_entry(&raw) {
+                Some((payload, gens)) => (gens, parse(key, &payload).map(Rc::new)),
+                None => (Vec::new(), None),
+            });
+            MEMO.with(|m| {
+                let mut m = m.borrow_mut();
+                if m.len() > 20_000 {
+                    m.clear();
+                }
+                m.insert(key.to_vec(), (raw, parsed.clone() as Rc<dyn Any>));
+            });
+            parsed
+        }
+    };
+    if entry.0.iter().any(|(k, i, g)| seg.gen(*k, i) != *g) {
         return None;
     }
-    Some(payload)
+    entry.1.clone()
 }
 
 fn opt_i64(v: &Value, k: &str) -> Option<Option<i64>> {
@@ -51,17 +84,22 @@ pub struct KeyEntry {
     pub prev: bool,
     pub prev_until_us: Option<i64>,
     pub rate_limited: bool,
+    pub gen: u64,
 }
 
 impl KeyEntry {
     /// The current key entry for this secret hash, or None (missing, stale, malformed: forward).
-    pub fn load(seg: &Segment, secret_hash: &str) -> Option<KeyEntry> {
-        let v = fetch(seg, &key_cache_key(secret_hash))?;
-        let name = v.get("name")?.as_str()?.to_string();
-        let gen = v.get("gen")?.as_u64()?;
-        if seg.gen(GenKind::Key, &name) != gen {
+    pub fn load(seg: &Segment, secret_hash: &str) -> Option<Rc<KeyEntry>> {
+        let k = fetch(seg, &key_cache_key(secret_hash), |_, v| KeyEntry::parse(v))?;
+        if seg.gen(GenKind::Key, &k.name) != k.gen {
             return None;
         }
+        Some(k)
+    }
+
+    fn parse(v: &Value) -> Option<KeyEntry> {
+        let name = v.get("name")?.as_str()?.to_string();
+        let gen = v.get("gen")?.as_u64()?;
         let allowed_ips = match v.get("allowed_ips") {
             None | Some(Value::Nil) => None,
             Some(a) => Some(a.as_array()?.iter().map(|x| x.as_str().map(str::to_string)).collect::<Option<Vec<_>>>()?),
@@ -74,6 +112,7 @@ impl KeyEntry {
             prev: v.get("prev").and_then(Value::as_bool).unwrap_or(false),
             prev_until_us: opt_i64(&v, "prev_until_us")?,
             rate_limited: !matches!(v.get("rate_limit"), None | Some(Value::Nil)),
+            gen,
         })
     }
 
@@ -86,7 +125,7 @@ impl KeyEntry {
         if self.expires_at_us.is_some_and(|e| e <= now_us) {
             return false;
         }
-        if self.prev && !self.prev_until_us.is_some_and(|u| u > now_us) {
+        if self.prev && self.prev_until_us.is_none_or(|u| u <= now_us) {
             return false;
         }
         if let Some(nets) = &self.allowed_ips {
@@ -159,26 +198,30 @@ pub enum PlanLookup {
     Miss,
     /// Present and current but the plane cannot serve it (bad pattern, unknown field): forward.
     Unservable,
-    Hit(Box<PlanEntry>),
+    Hit(Rc<PlanEntry>),
 }
 
 impl PlanEntry {
     pub fn load(seg: &Segment, key_name: &str, query: &str) -> PlanLookup {
-        let Some(v) = fetch(seg, &plan_cache_key(key_name, query)) else { return PlanLookup::Miss };
-        let Some(gens) = v.get("gens").and_then(Value::as_array).and_then(|g| {
-            Some([g.first()?.as_u64()?, g.get(1)?.as_u64()?, g.get(2)?.as_u64()?])
-        }) else {
-            return PlanLookup::Miss;
-        };
-        let Some(conn) = v.get("connection").and_then(Value::as_str) else { return PlanLookup::Miss };
-        let current = [seg.gen(GenKind::Key, key_name), seg.gen(GenKind::Query, query), seg.gen(GenKind::Connection, conn)];
-        if gens != current {
+        let Some(p) = fetch(seg, &plan_cache_key(key_name, query), |_, v| Self::parse_any(v)) else { return PlanLookup::Miss };
+        let current = [seg.gen(GenKind::Key, key_name), seg.gen(GenKind::Query, query), seg.gen(GenKind::Connection, &p.1)];
+        if p.0 != current {
             return PlanLookup::Miss;
         }
-        match Self::parse(&v, gens) {
-            Some(p) if p.query == query => PlanLookup::Hit(Box::new(p)),
+        match &p.2 {
+            Some(plan) if plan.query == query => PlanLookup::Hit(plan.clone()),
             _ => PlanLookup::Unservable,
         }
+    }
+
+    /// (gens, connection, the plan if the plane can serve it): the generations are read even from an
+    /// entry the plane cannot serve, so a stale one is a miss and a current one is forwarded.
+    #[allow(clippy::type_complexity)]
+    fn parse_any(v: &Value) -> Option<([u64; 3], String, Option<Rc<PlanEntry>>)> {
+        let g = v.get("gens")?.as_array()?;
+        let gens = [g.first()?.as_u64()?, g.get(1)?.as_u64()?, g.get(2)?.as_u64()?];
+        let conn = v.get("connection")?.as_str()?.to_string();
+        Some((gens, conn, Self::parse(v, gens).map(Rc::new)))
     }
 
     fn parse(v: &Value, gens: [u64; 3]) -> Option<PlanEntry> {
@@ -262,12 +305,16 @@ pub struct ConnEntry {
 }
 
 impl ConnEntry {
-    pub fn load(seg: &Segment, name: &str) -> Option<ConnEntry> {
-        let v = fetch(seg, &conn_cache_key(name))?;
-        let gen = v.get("gen")?.as_u64()?;
-        if seg.gen(GenKind::Connection, name) != gen {
+    pub fn load(seg: &Segment, name: &str) -> Option<Rc<ConnEntry>> {
+        let c = fetch(seg, &conn_cache_key(name), ConnEntry::parse)?;
+        if seg.gen(GenKind::Connection, name) != c.gen {
             return None;
         }
+        Some(c)
+    }
+
+    fn parse(key: &[u8], v: &Value) -> Option<ConnEntry> {
+        let gen = v.get("gen")?.as_u64()?;
         if v.get("active").and_then(Value::as_bool) == Some(false) {
             return None; // Python answers 502 for an inactive connection
         }
@@ -291,7 +338,7 @@ impl ConnEntry {
             Some(p) => u16::try_from(p.as_i64().or_else(|| p.as_str().and_then(|s| s.parse().ok()))?).ok()?,
         };
         Some(ConnEntry {
-            name: name.to_string(),
+            name: String::from_utf8(key.strip_prefix(b"c:")?.to_vec()).ok()?,
             db: v.get("db")?.as_str()?.to_string(),
             host: s("host").unwrap_or_else(|| "127.0.0.1".into()),
             port,
@@ -323,7 +370,7 @@ mod tests {
     #[test]
     fn key_checks_like_check_key() {
         let mut k = KeyEntry { name: "k".into(), active: true, expires_at_us: Some(100_000), allowed_ips: None, prev: false,
-                               prev_until_us: None, rate_limited: false };
+                               prev_until_us: None, rate_limited: false, gen: 0 };
         assert!(k.allows(99_999, None));
         assert!(!k.allows(100_000, None), "expires_at <= now: expired");
         assert!(k.allows(100_999 - 1000, None), "now is compared at millisecond precision");

@@ -49,7 +49,7 @@ pub fn hash_text(key: &[u8], text: &str) -> String {
     let mut mac = <Hmac<Sha256> as KeyInit>::new_from_slice(key).expect("HMAC takes any key length");
     mac.update(text.as_bytes());
     let d = mac.finalize().into_bytes();
-    d[..8].iter().map(|b| format!("{b:02x}")).collect()
+    crate::pyfmt::hex(&d[..8])
 }
 
 pub fn mask_text(t: &str) -> String {

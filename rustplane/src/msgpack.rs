@@ -105,7 +105,7 @@ fn read(buf: &[u8], pos: &mut usize, depth: u32) -> Option<Value> {
         0xc0 => Value::Nil,
         0xc2 => Value::Bool(false),
         0xc3 => Value::Bool(true),
-        0xc4 | 0xc5 | 0xc6 => {
+        0xc4..=0xc6 => {
             let n = be(buf, pos, 1 << (b - 0xc4))? as usize;
             Value::Bin(take(buf, pos, n)?.to_vec())
         }

@@ -5,7 +5,7 @@
 
 use crate::entries::ConnEntry;
 use crate::params::PVal;
-use crate::pyfmt::{decimal_str, float_repr};
+use crate::pyfmt::{decimal_str, float_repr, hex};
 use crate::render::{parse_json, Cell};
 use bytes::BytesMut;
 use std::cell::RefCell;
@@ -218,13 +218,6 @@ pub fn numeric_texts(b: &[u8]) -> Option<(String, String)> {
     Some((text, num))
 }
 
-fn hex(b: &[u8]) -> String {
-    let mut s = String::with_capacity(b.len() * 2);
-    for x in b {
-        s.push_str(&format!("{x:02x}"));
-    }
-    s
-}
 
 /// One binary value as psycopg2 would return it; None when the plane cannot reproduce it exactly.
 pub fn decode(ty: &Type, raw: Option<&[u8]>) -> Option<Cell> {
@@ -295,7 +288,7 @@ pub struct Session {
 /// Pool key: everything that defines a session; a changed connection entry makes a new pool.
 #[derive(Clone, PartialEq, Debug)]
 pub struct SessionSpec {
-    pub conn: ConnEntry,
+    pub conn: Rc<ConnEntry>,
     pub password: Option<String>,
     pub timeout_ms: u64,
 }
@@ -332,7 +325,7 @@ async fn connect(spec: &SessionSpec) -> Result<Session, ExecError> {
     if let Some(u) = &c.user {
         cfg.user(u);
     } else {
-        cfg.user(&std::env::var("USER").unwrap_or_else(|_| "postgres".into()));
+        cfg.user(std::env::var("USER").unwrap_or_else(|_| "postgres".into()));
     }
     if let Some(d) = &c.database {
         cfg.dbname(d);

@@ -1,6 +1,17 @@
 //! Python's text forms, byte for byte: `repr(float)`, `json.dumps` string escaping (with and without
 //! `ensure_ascii`), `repr(str)` for printable ASCII, `format(x, "g")`, and `str(Decimal)`.
 
+/// Lowercase hex of bytes (bytes.hex()).
+pub fn hex(b: &[u8]) -> String {
+    const H: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(b.len() * 2);
+    for &x in b {
+        s.push(H[(x >> 4) as usize] as char);
+        s.push(H[(x & 15) as usize] as char);
+    }
+    s
+}
+
 /// `repr(x)` of a Python float: shortest round-trip digits; scientific when the decimal exponent is
 /// < -4 or >= 16 ("1e-05", "1e+16", "1.5e+300"), else positional with at least one fractional digit.
 pub fn float_repr(x: f64) -> String {

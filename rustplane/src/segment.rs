@@ -106,6 +106,9 @@ pub struct Geometry {
 
 pub type Labels = Vec<(String, String)>;
 
+/// (kind, identifier, generation) an entry was built from ([Cache entries]).
+pub type EntryGen = (GenKind, String, u64);
+
 struct SeriesCache {
     decoded: usize,
     by_norm: HashMap<(String, Labels), (u8, u32)>,
@@ -255,8 +258,8 @@ impl Segment {
                 }
                 let klen = self.m.load_u32(base + 8, Relaxed) as usize;
                 let vlen = self.m.load_u32(base + 12, Relaxed) as usize;
-                let fits = klen + vlen <= room;
-                let data = if fits { self.m.read_bytes(base + CACHE_SLOT_HEADER, klen + vlen) } else { Vec::new() };
+                let fits = klen + vlen <= room && room % 8 == 0;
+                let data = if fits { self.m.read_words(base + CACHE_SLOT_HEADER, klen + vlen) } else { Vec::new() };
                 sys::fence_acquire();
                 if self.m.load_u64(base, Relaxed) != s1 || !fits {
                     continue; // torn: retry (C3)
@@ -588,7 +591,7 @@ pub fn decode_desc(b: &[u8]) -> Option<(String, Labels)> {
 
 /// Decode a cache entry under qag's convention (LAYOUT.md [Cache entries]): `[1, [[kind, ident, gen]…], payload]`
 /// gives (payload, gens); a bare msgpack map gives (map, no gens).
-pub fn unpack_entry(b: &[u8]) -> Option<(Value, Vec<(GenKind, String, u64)>)> {
+pub fn unpack_entry(b: &[u8]) -> Option<(Value, Vec<EntryGen>)> {
     let v = msgpack::decode(b)?;
     match v {
         Value::Array(mut a) if a.len() == 3 && a[0].as_u64() == Some(1) => {

@@ -47,7 +47,8 @@ impl Upstream {
 /// Counter cells of the plane's slot, by series, and the ring: one writer at a time (N1, R*).
 #[derive(Default)]
 struct Producer {
-    cells: HashMap<String, Option<u32>>,
+    /// (metric, label value) -> first cell; None when the series could not be registered.
+    cells: HashMap<&'static str, HashMap<String, Option<u32>>>,
 }
 
 pub struct Shared {
@@ -92,7 +93,7 @@ fn now_us() -> i64 {
 thread_local! {
     static RNG: StdCell<u64> = StdCell::new(seed());
     static UPSTREAM: RefCell<Vec<hyper::client::conn::http1::SendRequest<Incoming>>> = const { RefCell::new(Vec::new()) };
-    static PASSWORDS: RefCell<HashMap<(String, u64), Option<String>>> = RefCell::new(HashMap::new());
+    static PASSWORDS: RefCell<HashMap<String, (u64, Option<String>)>> = RefCell::new(HashMap::new());
 }
 
 fn seed() -> u64 {
@@ -134,15 +135,10 @@ fn single_header<'a>(req: &'a Request<Incoming>, name: &str) -> Option<&'a str> 
 }
 
 impl Shared {
-    fn cell(&self, p: &mut Producer, kind: u8, name: &str, labels: &[(&str, &str)]) -> Option<u32> {
-        let mut key = String::from(name);
-        for (k, v) in labels {
-            key.push('|');
-            key.push_str(k);
-            key.push('=');
-            key.push_str(v);
-        }
-        if let Some(c) = p.cells.get(&key) {
+    fn cell(&self, p: &mut Producer, kind: u8, name: &'static str, labels: &[(&str, &str)]) -> Option<u32> {
+        // every metric here has at most one label that varies (route is constant)
+        let var = labels.iter().rfind(|(k, _)| *k != "route").map_or("", |(_, v)| *v);
+        if let Some(c) = p.cells.get(name).and_then(|m| m.get(var)) {
             return *c;
         }
         let c = match self.seg.series_cell(kind, name, labels) {
@@ -152,7 +148,7 @@ impl Shared {
                 None
             }
         };
-        p.cells.insert(key, c);
+        p.cells.entry(name).or_default().insert(var.to_string(), c);
         c
     }
 
@@ -256,9 +252,10 @@ fn is_query_name(n: &str) -> bool {
 
 fn password_for(home: &str, conn: &ConnEntry) -> Option<Option<String>> {
     PASSWORDS.with(|p| {
-        let key = (conn.name.clone(), conn.gen);
-        if let Some(v) = p.borrow().get(&key) {
-            return Some(v.clone());
+        if let Some((gen, v)) = p.borrow().get(&conn.name) {
+            if *gen == conn.gen {
+                return Some(v.clone());
+            }
         }
         let path = format!("{home}/plane/conn-{}.secret", conn.name);
         let v = match std::fs::read(&path) {
@@ -266,7 +263,7 @@ fn password_for(home: &str, conn: &ConnEntry) -> Option<Option<String>> {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
             Err(_) => return None,
         };
-        p.borrow_mut().insert(key, v.clone());
+        p.borrow_mut().insert(conn.name.clone(), (conn.gen, v.clone()));
         Some(v)
     })
 }
@@ -291,7 +288,7 @@ async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Option<IpAddr>)
     let Some(given) = params::parse_query(req.uri().query().unwrap_or("")) else { return Decision::Forward("query string") };
     let t0 = Instant::now();
     let mut stages = Vec::with_capacity(6);
-    let hash: String = Sha256::digest(secret.as_bytes()).iter().map(|b| format!("{b:02x}")).collect();
+    let hash = crate::pyfmt::hex(&Sha256::digest(secret.as_bytes()));
     let Some(key) = KeyEntry::load(&sh.seg, &hash) else { return Decision::Forward("no current key entry") };
     if key.rate_limited {
         return Decision::Forward("rate-limited key");

@@ -51,7 +51,7 @@ impl Mapping {
     }
 
     fn check(&self, off: usize, size: usize, align: usize) {
-        assert!(off % align == 0 && off.checked_add(size).is_some_and(|e| e <= self.len),
+        assert!(off.is_multiple_of(align) && off.checked_add(size).is_some_and(|e| e <= self.len),
                 "segment access out of bounds or misaligned: {off}+{size}");
     }
 
@@ -101,6 +101,19 @@ impl Mapping {
             let b = unsafe { &*(self.ptr.add(off + i) as *const AtomicU8) };
             out.push(b.load(Ordering::Relaxed));
         }
+        out
+    }
+
+    /// Copy `len` bytes out with relaxed 8-byte atomic loads from an 8-aligned offset (C3: the seqlock
+    /// decides whether the copy is valid). Reads up to 7 bytes past `len`, within the checked bounds.
+    pub fn read_words(&self, off: usize, len: usize) -> Vec<u8> {
+        let words = len.div_ceil(8);
+        self.check(off, words * 8, 8);
+        let mut out = Vec::with_capacity(words * 8);
+        for i in 0..words {
+            out.extend_from_slice(&self.load_u64(off + 8 * i, Ordering::Relaxed).to_le_bytes());
+        }
+        out.truncate(len);
         out
     }
 
