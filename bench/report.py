@@ -189,6 +189,8 @@ class Report:
         by = group(rows, 'call', 'target')
         for field, label, digits in (('rps', 'calls/s', None), ('calls_per_gw_cpu_s', 'calls per gateway CPU-second', None),
                                      ('gw_cpu_us_per_call', 'gateway CPU µs per call', None),
+                                     ('gw_cores', 'gateway CPU cores used (of the gateway CPUs; what is missing went to '
+                                                  'other users of the machine)', 2),
                                      ('p50_ms', 'p50 ms', 2), ('p99_ms', 'p99 ms', 2)):
             out = []
             for c in calls:
