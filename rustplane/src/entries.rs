@@ -107,10 +107,10 @@ impl KeyEntry {
         Some(KeyEntry {
             name,
             active: v.get("active")?.as_bool()?,
-            expires_at_us: opt_i64(&v, "expires_at_us")?,
+            expires_at_us: opt_i64(v, "expires_at_us")?,
             allowed_ips,
             prev: v.get("prev").and_then(Value::as_bool).unwrap_or(false),
-            prev_until_us: opt_i64(&v, "prev_until_us")?,
+            prev_until_us: opt_i64(v, "prev_until_us")?,
             rate_limited: !matches!(v.get("rate_limit"), None | Some(Value::Nil)),
             gen,
         })

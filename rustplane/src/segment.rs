@@ -258,7 +258,7 @@ impl Segment {
                 }
                 let klen = self.m.load_u32(base + 8, Relaxed) as usize;
                 let vlen = self.m.load_u32(base + 12, Relaxed) as usize;
-                let fits = klen + vlen <= room && room % 8 == 0;
+                let fits = klen + vlen <= room && room.is_multiple_of(8);
                 let data = if fits { self.m.read_words(base + CACHE_SLOT_HEADER, klen + vlen) } else { Vec::new() };
                 sys::fence_acquire();
                 if self.m.load_u64(base, Relaxed) != s1 || !fits {
