@@ -283,6 +283,7 @@ pub struct Session {
     client: Client,
     stmts: HashMap<String, Statement>,
     pub tz_utc: bool,
+    healthy: bool,
 }
 
 /// Pool key: everything that defines a session; a changed connection entry makes a new pool.
@@ -296,9 +297,16 @@ pub struct SessionSpec {
 pub struct Pool {
     pub spec: SessionSpec,
     idle: Vec<Session>,
+    /// sessions open (idle or leased); at most `cap` per thread and connection, like a worker's pool
+    open: usize,
+    cap: usize,
+    freed: Rc<tokio::sync::Notify>,
 }
 
-const POOL_IDLE_MAX: usize = 64;
+/// Sessions per plane thread and connection: QAG_POOL_SIZE (default 8), as each Python worker keeps.
+fn pool_cap() -> usize {
+    std::env::var("QAG_POOL_SIZE").ok().and_then(|v| v.parse().ok()).filter(|n| *n > 0).unwrap_or(8)
+}
 
 thread_local! {
     static POOLS: RefCell<HashMap<String, Rc<RefCell<Pool>>>> = RefCell::new(HashMap::new());
@@ -312,7 +320,8 @@ pub fn pool_for(spec: &SessionSpec) -> Rc<RefCell<Pool>> {
                 return pool.clone();
             }
         }
-        let pool = Rc::new(RefCell::new(Pool { spec: spec.clone(), idle: Vec::new() }));
+        let pool = Rc::new(RefCell::new(Pool { spec: spec.clone(), idle: Vec::new(), open: 0, cap: pool_cap(),
+                                               freed: Rc::new(tokio::sync::Notify::new()) }));
         pools.insert(spec.conn.name.clone(), pool.clone());
         pool
     })
@@ -344,61 +353,104 @@ async fn connect(spec: &SessionSpec) -> Result<Session, ExecError> {
     tokio::task::spawn_local(async move {
         let _ = conn.await;
     });
-    Ok(Session { client, stmts: HashMap::new(), tz_utc })
+    Ok(Session { client, stmts: HashMap::new(), tz_utc, healthy: true })
 }
 
-/// A checked-out session; goes back to its pool on `release`, dropped (closed) otherwise.
+/// A checked-out session; goes back to its pool on `release`, closed when dropped without it.
 pub struct Lease {
     pool: Rc<RefCell<Pool>>,
-    pub session: Session,
+    session: Option<Session>,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let mut p = self.pool.borrow_mut();
+        match self.session.take() {
+            Some(s) if !s.client.is_closed() && s.healthy => p.idle.push(s),
+            _ => p.open -= 1, // closed (or broken): its place in the pool is free again
+        }
+        p.freed.notify_one();
+    }
 }
 
 impl Lease {
     pub async fn get(pool: Rc<RefCell<Pool>>) -> Result<Lease, ExecError> {
-        let idle = pool.borrow_mut().idle.pop();
-        let session = match idle {
-            Some(s) if !s.client.is_closed() => s,
-            _ => {
-                let spec = pool.borrow().spec.clone();
-                connect(&spec).await?
+        loop {
+            let (idle, may_open, freed) = {
+                let mut p = pool.borrow_mut();
+                let idle = p.idle.pop();
+                let may_open = idle.is_none() && p.open < p.cap;
+                if may_open {
+                    p.open += 1;
+                }
+                (idle, may_open, p.freed.clone())
+            };
+            if let Some(s) = idle {
+                if !s.client.is_closed() {
+                    return Ok(Lease { pool, session: Some(s) });
+                }
+                pool.borrow_mut().open -= 1;
+                continue;
             }
-        };
-        Ok(Lease { pool, session })
-    }
-
-    pub fn release(self) {
-        let mut p = self.pool.borrow_mut();
-        if p.idle.len() < POOL_IDLE_MAX && !self.session.client.is_closed() {
-            p.idle.push(self.session);
+            if may_open {
+                let spec = pool.borrow().spec.clone();
+                return match connect(&spec).await {
+                    Ok(session) => Ok(Lease { pool, session: Some(session) }),
+                    Err(e) => {
+                        let mut p = pool.borrow_mut();
+                        p.open -= 1;
+                        p.freed.notify_one();
+                        Err(e)
+                    }
+                };
+            }
+            freed.notified().await;
         }
     }
 
-    /// The prepared statement for `sql` (cached per session); Err on any failure (forward: a prepare
-    /// error can differ from what psycopg2's literal-bound execution reports).
+    fn s(&self) -> &Session {
+        self.session.as_ref().expect("a lease holds its session until dropped")
+    }
+
+    pub fn tz_utc(&self) -> bool {
+        self.s().tz_utc
+    }
+
+    /// Give the session back (dropping the lease does the same; kept for readability at call sites).
+    pub fn release(self) {}
+
+    /// Mark the session broken: it is closed instead of going back to the pool.
+    pub fn discard(mut self) {
+        if let Some(s) = self.session.as_mut() {
+            s.healthy = false;
+        }
+    }
+
     /// `typed`: the types psycopg2's literals would have (str → text, int → int8, float → numeric, bool),
     /// used only when PostgreSQL cannot infer a parameter's type by itself (`:x IS NULL`).
     pub async fn prepare(&mut self, sql: &str, typed: &[Type]) -> Result<Statement, ExecError> {
-        if let Some(s) = self.session.stmts.get(sql) {
+        let session = self.session.as_mut().expect("a lease holds its session");
+        if let Some(s) = session.stmts.get(sql) {
             return Ok(s.clone());
         }
-        let st = match self.session.client.prepare(sql).await {
+        let st = match session.client.prepare(sql).await {
             Ok(st) => st,
             Err(e) if e.code() == Some(&SqlState::INDETERMINATE_DATATYPE) => {
-                self.session.client.prepare_typed(sql, typed).await.map_err(|_| ExecError::Forward("prepare failed"))?
+                session.client.prepare_typed(sql, typed).await.map_err(|_| ExecError::Forward("prepare failed"))?
             }
             Err(_) => return Err(ExecError::Forward("prepare failed")),
         };
-        if self.session.stmts.len() > 256 {
-            self.session.stmts.clear();
+        if session.stmts.len() > 256 {
+            session.stmts.clear();
         }
-        self.session.stmts.insert(sql.to_string(), st.clone());
+        session.stmts.insert(sql.to_string(), st.clone());
         Ok(st)
     }
 
     /// Execute; rows of cells in select-list order.
     pub async fn query(&self, st: &Statement, args: &[Arg]) -> Result<Vec<Vec<Cell>>, ExecError> {
         let params: Vec<&(dyn ToSql + Sync)> = args.iter().map(|a| a as &(dyn ToSql + Sync)).collect();
-        let rows = match self.session.client.query(st, &params).await {
+        let rows = match self.s().client.query(st, &params).await {
             Ok(r) => r,
             Err(e) => {
                 return Err(match e.as_db_error() {

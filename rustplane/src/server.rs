@@ -374,7 +374,7 @@ async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Option<IpAddr>)
         }
     };
     // Decide everything that could make the answer differ from Python's before executing.
-    let tz_utc = lease.session.tz_utc;
+    let tz_utc = lease.tz_utc();
     if st.columns().iter().any(|c| !pg::column_supported(c.type_(), tz_utc))
         || (opts.format == Format::Csv && st.columns().iter().any(|c| pg::is_json(c.type_())))
         || plan.transforms.as_ref().is_some_and(|t| t.len() != st.columns().len())
@@ -414,7 +414,12 @@ async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Option<IpAddr>)
             lease.release();
             return fail(run, ApiError::new(500, "query_failed", QUERY_FAILED), Some(true), None).await;
         }
-        Err(ExecError::Forward(_)) => return Decision::Forward("execution: connection or value"), // the session is dropped (closed)
+        Err(ExecError::Forward(why)) => {
+            if why == "connection lost" {
+                lease.discard();
+            }
+            return Decision::Forward("execution: connection or value");
+        }
     };
     let (columns, mut rows) = match &plan.transforms {
         None => (columns, rows),
