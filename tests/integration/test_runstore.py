@@ -37,11 +37,11 @@ def pg_fresh(name="qag_rec_test") -> str:
     return PG_ADMIN.rsplit("/", 1)[0] + "/" + name
 
 
-def make_url(kind, tmp):
+def make_url(kind, tmp, db="qag_rec_test"):
     if kind == "sqlite":
         return os.path.join(tmp, "runs.db")
     if kind == "postgresql":
-        return pg_fresh()
+        return pg_fresh(db)  # one database per test: the module's burst stays open in qag_rec_test
     return f"chdb://{tmp}/ch"
 
 
@@ -184,7 +184,7 @@ def test_resuming_from_any_id_misses_none_and_repeats_none(loaded):
 
 @pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
 def test_sql_retention_deletes_in_bounded_chunks(kind, tmp_path):
-    store = open_store(make_url(kind, str(tmp_path)), StoreSettings(events_retention_hours=1, history_retention_days=2,
+    store = open_store(make_url(kind, str(tmp_path), "qag_rec_test_retention"), StoreSettings(events_retention_hours=1, history_retention_days=2,
                                                                   usage_retention_days=3))
     store.ensure_schema()
     now = time.time_ns() // 1000
@@ -240,7 +240,7 @@ def test_postgresql_concurrent_writers_commit_in_id_order():
 def test_sql_record_with_wrong_types_is_dropped_not_fatal(tmp_path):
     import msgpack
 
-    for url in (str(tmp_path / "t.db"), pg_fresh()):
+    for url in (str(tmp_path / "t.db"), pg_fresh("qag_rec_test_types")):
         store = open_store(url, StoreSettings())
         store.ensure_schema()
         bad = msgpack.packb([1, "yesterday", "k", "q", 1, "c", 200, None, 1, 1, 1, "bad", "worker:0", "http", "/"])
