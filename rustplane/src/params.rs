@@ -607,6 +607,40 @@ mod tests {
     }
 
     #[test]
+    fn conversions_like_python() {
+        // python: params._convert(spec, text) for float, int and bool specs
+        let f = spec("f", PType::Float);
+        let i = spec("i", PType::Int);
+        let b = spec("b", PType::Bool);
+        let num = "must be a number";
+        let fin = "must be a finite number";
+        let cases: &[(&str, Result<f64, &str>, Result<i64, &str>)] = &[
+            ("1e5", Ok(100000.0), Err("must be an integer")), (".5", Ok(0.5), Err("")), ("5.", Ok(5.0), Err("")),
+            ("1e", Err(num), Err("")), ("e1", Err(num), Err("")), ("+.5", Ok(0.5), Err("")), ("-.e1", Err(num), Err("")),
+            ("1.5E+3", Ok(1500.0), Err("")), ("0x10", Err(num), Err("")), ("1e500", Err(fin), Err("")),
+            ("nAn", Err(fin), Err("")), ("-iNF", Err(fin), Err("")), ("Infinity", Err(fin), Err("")),
+            ("infinit", Err(num), Err("")), (" 2 ", Ok(2.0), Ok(2)), ("\t3\n", Ok(3.0), Ok(3)), ("1.2.3", Err(num), Err("")),
+            ("--1", Err(num), Err("")), ("+-1", Err(num), Err("")), ("1e+", Err(num), Err("")), ("00.5", Ok(0.5), Err("")),
+            ("5e-400", Ok(0.0), Err("")), ("\x0b7\x1c", Ok(7.0), Ok(7)),
+        ];
+        for (text, fv, iv) in cases {
+            let got = convert(&f, text);
+            match fv {
+                Ok(v) => assert_eq!(got, Ok(PVal::Float(*v)), "float {text:?}"),
+                Err(m) => assert_eq!(got, Err(Ok(m.to_string())), "float {text:?}"),
+            }
+            let got = convert(&i, text);
+            match iv {
+                Ok(v) => assert_eq!(got, Ok(PVal::Int(*v)), "int {text:?}"),
+                Err(_) => assert_eq!(got, Err(Ok("must be an integer".to_string())), "int {text:?}"),
+            }
+            assert_eq!(convert(&b, text), Err(Ok("must be a boolean (true/1/yes or false/0/no)".to_string())), "bool {text:?}");
+        }
+        assert_eq!(convert(&f, "\u{661}"), Err(Err(())), "Unicode digits: Python's to decide");
+        assert_eq!(convert(&f, "1__0"), Err(Err(())), "underscores: Python's to decide");
+    }
+
+    #[test]
     fn options_like_python() {
         let o = call_options(&q("format=CSV&page=2&page_size=5"), 10, 1000).unwrap();
         assert_eq!((o.format, o.page, o.page_size), (Format::Csv, 2, 5));
