@@ -53,6 +53,14 @@ def start_recorder(name, url, slot):
                             cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
+def _cmdline(pid) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""
+
+
 @pytest.fixture()
 def segment():
     name = f"/qag-rectest-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -78,6 +86,10 @@ def test_sigkill_mid_burst_loses_nothing_and_duplicates_nothing(kind, segment):
     producers = [subprocess.Popen([sys.executable, "-c", PRODUCER, name, str(s), str(PER_PRODUCER)], cwd=ROOT,
                                   env=env(), stdout=subprocess.PIPE) for s in (0, 1)]
     rings = [seg.ring(0), seg.ring(1)]
+    deadline = time.monotonic() + 30
+    while _cmdline(rec.pid) != "qag: recorder" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _cmdline(rec.pid) == "qag: recorder"  # what ps shows (DESIGN.md, Processes)
     kills = 0
     try:
         for frac in (0.15, 0.45):
