@@ -97,7 +97,7 @@ pub fn column_supported(ty: &Type, tz_utc: bool) -> bool {
     [
         Type::BOOL, Type::BYTEA, Type::CHAR, Type::NAME, Type::INT8, Type::INT2, Type::INT4, Type::TEXT, Type::OID,
         Type::JSON, Type::FLOAT4, Type::FLOAT8, Type::BPCHAR, Type::VARCHAR, Type::DATE, Type::TIME, Type::TIMESTAMP,
-        Type::NUMERIC, Type::UUID, Type::JSONB, Type::XML,
+        Type::NUMERIC, Type::UUID, Type::JSONB,
     ]
     .contains(ty)
         || (*ty == Type::TIMESTAMPTZ && tz_utc)
@@ -264,7 +264,7 @@ pub fn decode(ty: &Type, raw: Option<&[u8]>) -> Option<Cell> {
             }
             Cell::Json(parse_json(std::str::from_utf8(&b[1..]).ok()?)?)
         }
-        _ => Cell::Str(text()?), // text, varchar, bpchar, name, "char", xml, enums: their text
+        _ => Cell::Str(text()?), // text, varchar, bpchar, name, "char", enums: their text
     })
 }
 
