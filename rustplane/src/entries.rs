@@ -186,6 +186,11 @@ pub struct PlanEntry {
     pub transforms: Option<Vec<Action>>,
     /// governance's traced name per output position (None: unknown), checked against the result's names.
     pub output_names: Option<Vec<Option<String>>>,
+    /// The entry says whether names were traced ("names" present, even nil). A masking plan from a
+    /// publisher that does not say is forwarded: Python checks the names at call time, the plane could not.
+    pub names_published: bool,
+    /// A saved query with `cache_ttl` answers repeat calls from Python's result cache: forwarded.
+    pub cache_ttl: bool,
     pub page_mode: String,
     pub is_write: bool,
     pub default_page_size: i64,
@@ -239,7 +244,9 @@ impl PlanEntry {
             arg_names: v.get("arg_names")?.as_array()?.iter().map(|x| x.as_str().map(str::to_string)).collect::<Option<_>>()?,
             specs: v.get("specs")?.as_array()?.iter().map(Spec::from_value).collect::<Option<_>>()?,
             transforms,
-            output_names: match v.get("output_names") {
+            names_published: v.get("names").or_else(|| v.get("output_names")).is_some(),
+            cache_ttl: !matches!(v.get("cache_ttl"), None | Some(Value::Nil) | Some(Value::UInt(0)) | Some(Value::Int(0))),
+            output_names: match v.get("names").or_else(|| v.get("output_names")) {
                 None | Some(Value::Nil) => None,
                 Some(a) => Some(a.as_array()?.iter().map(|x| if x.is_nil() { Some(None) } else { x.as_str().map(|s| Some(s.to_string())) })
                     .collect::<Option<Vec<_>>>()?),

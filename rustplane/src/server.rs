@@ -317,7 +317,9 @@ async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Option<IpAddr>)
         PlanLookup::Hit(p) => p,
         _ => return Decision::Forward("no current plan entry"),
     };
-    if plan.dialect != "postgres" || plan.is_write || plan.paged_sql(1, 1).is_none() {
+    if plan.dialect != "postgres" || plan.is_write || plan.paged_sql(1, 1).is_none() || plan.cache_ttl
+        || (plan.transforms.is_some() && !plan.names_published)
+    {
         return Decision::Forward("plan not servable (dialect, write, paging)");
     }
     if plan.transforms.as_ref().is_some_and(|t| t.contains(&Action::Hash)) && sh.mask_key.is_none() {
