@@ -21,6 +21,11 @@ class StoreSettings:
     history_retention_days: int = 30
     history_sample_rate: float = 1.0
     usage_retention_days: int = 400
+    # ClickHouse shared by several recorders (one per host): each its own writer number, and events
+    # delivered only once older than the settle delay, since writers commit independently.
+    writer_id: int = 0
+    writers: int = 1
+    events_settle_ms: int = 0
 
     @classmethod
     def from_env(cls, **override) -> StoreSettings:
@@ -30,6 +35,9 @@ class StoreSettings:
             history_retention_days=int(env.get("QAG_HISTORY_RETENTION_DAYS", "30")),
             history_sample_rate=float(env.get("QAG_HISTORY_SAMPLE_RATE", "1")),
             usage_retention_days=int(env.get("QAG_USAGE_RETENTION_DAYS", "400")),
+            writer_id=int(env.get("QAG_RUN_WRITER_ID", "0")),
+            writers=int(env.get("QAG_RUN_WRITERS", "1")),
+            events_settle_ms=int(env.get("QAG_EVENTS_SETTLE_MS", "0")),
         )
         values.update({k: v for k, v in override.items() if v is not None})
         if not 0.0 <= values["history_sample_rate"] <= 1.0:

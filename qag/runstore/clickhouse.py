@@ -202,14 +202,18 @@ class ClickHouseRunStore:
                 settings={**_DEDUP, "insert_deduplication_token": f"{source}:{batch}",
                           "max_threads": 1, "max_insert_threads": 1})
         if self.clock is None:
-            self.clock = IdClock(self.last_event_id())
+            self.clock = self._new_clock()
         return int(rows[0][0]) if rows else None
+
+    def _new_clock(self) -> IdClock:
+        s = self.settings
+        return IdClock(self.last_event_id(), writer=s.writer_id, writers=s.writers)
 
     def prepare(self, source: str, chunks) -> CHBatch:
         """`chunks` is [(slot, [(pos_after, payload), ...])]; mints the batch's ids and builds the
         MsgPack body (a row is a fixed head plus the record's own array body: no per-field work)."""
         if self.clock is None:
-            self.clock = IdClock(self.last_event_id())
+            self.clock = self._new_clock()
         good, bad = [], 0
         positions: dict[int, int] = {}
         head = _RECORD_HEAD
@@ -230,26 +234,27 @@ class ClickHouseRunStore:
         n = len(good)
         if not n:
             return CHBatch(source, [], positions, bad, 0, 0, 0)
+        stride = self.clock.stride
         first = self.clock.take(n)
-        last = first + n - 1
+        last = first + stride * (n - 1)
         inserts = []
         # A batch never spans two days: one partition per insert, so each insert is one part.
         day_first = (first >> SEQ_BITS) // MS_PER_DAY
         split = n
         if (last >> SEQ_BITS) // MS_PER_DAY != day_first:
-            split = (((day_first + 1) * MS_PER_DAY) << SEQ_BITS) - first
+            split = -(-((((day_first + 1) * MS_PER_DAY) << SEQ_BITS) - first) // stride)
         for lo, hi in ((0, split), (split, n)):
             if lo >= hi:
                 continue
-            bfirst = first + lo
+            bfirst = first + lo * stride
             # Every row of a slot carries the furthest position its insert covers; the batch's last
             # insert covers the batch's furthest, so skipped records after the last good one count too.
             upto = positions if hi == n else None
-            inserts.append((bfirst, self._body(source, bfirst, good[lo:hi], upto)))
+            inserts.append((bfirst, self._body(source, bfirst, good[lo:hi], upto, stride)))
         return CHBatch(source, inserts, positions, bad, first, last, n)
 
     @staticmethod
-    def _body(source, bfirst, recs, upto) -> bytes:
+    def _body(source, bfirst, recs, upto, stride=1) -> bytes:
         if upto is None:
             upto = {}
             for slot, p, _pl in recs:
@@ -263,7 +268,7 @@ class ClickHouseRunStore:
             ap(const)
             ap(rh(0xCF, eid, 0xCD, slot, 0xCF, upto[slot]))
             ap(payload[1:])
-            eid += 1
+            eid += stride
         return b"".join(parts)
 
     def commit(self, batch: CHBatch) -> tuple[int, int, int]:
@@ -360,10 +365,16 @@ class ClickHouseRunStore:
 
     def events_after(self, event_id: int = 0, key_name: str | None = None, limit: int = 1000):
         """Events with id > event_id, oldest first. One writer inserts batches one after another,
-        each visible whole once its insert returns, in id order: none with a smaller id appears later."""
+        each visible whole once its insert returns, in id order: none with a smaller id appears later.
+        With several writers (QAG_RUN_WRITERS > 1) set QAG_EVENTS_SETTLE_MS (e.g. 1000) above the
+        longest insert: events are then delivered once that old."""
         limit = max(1, min(int(limit), 100_000))
         params = {"after": int(event_id)}
         where = "event_id > %(after)s"
+        if self.settings.events_settle_ms > 0:
+            # Several writers commit independently: an id is delivered once no writer can still
+            # commit a smaller one, i.e. once it is older than the settle delay.
+            where += f" AND event_id < {id_floor(now_ms() - self.settings.events_settle_ms)}"
         if key_name is not None:
             where += " AND key_name = %(key)s"
             params["key"] = key_name

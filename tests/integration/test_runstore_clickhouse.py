@@ -155,3 +155,20 @@ def test_a_batch_across_midnight_is_two_inserts_one_per_day(ch):
                                "AND active AND database = currentDatabase()").result_rows[0][0]
     assert parts == 2
     assert store.counts()["qag_events"] == 3000 and store.positions("s") == {0: 3000}
+
+
+def test_several_writers_share_one_clickhouse_without_colliding_and_settle_before_delivery(ch):
+    """One recorder per host, one ClickHouse: writer numbers keep ids apart, and with independent
+    commits an event is delivered once older than the settle delay."""
+    a = ch(writers=2, writer_id=0, events_settle_ms=1500)
+    b = ch(writers=2, writer_id=1, events_settle_ms=1500)
+    for k in range(6):
+        first, _last, _n = (a if k % 2 else b).write_batch(f"host{k % 2}", recs(500, start=k * 500, slot=0))
+    # the newest batch is too fresh: another writer may still commit ids below it
+    assert all(e["event_id"] < first for e in a.events_after(0, limit=10_000))
+    time.sleep(1.6)
+    ev = a.events_after(0, limit=10_000)
+    ids = [e["event_id"] for e in ev]
+    assert len(ev) == 3000 and len(set(ids)) == 3000 and ids == sorted(ids)
+    assert {e["event_id"] % 2 for e in ev} == {0, 1}
+    assert sorted(e["request_id"] for e in ev) == sorted(f"r{i}" for i in range(3000))

@@ -40,3 +40,27 @@ def test_resumes_above_a_stored_last_id():
     stored = id_floor(EPOCH_MS + 10**9)  # a store written by a clock far ahead of ours
     clock = IdClock(stored, clock=lambda: EPOCH_MS)
     assert clock.take(1) == stored + 1
+
+
+@given(st.lists(st.tuples(st.sampled_from([0, 1, 2, 3]), st.integers(1, 3000), st.integers(-3, 5)),
+                min_size=1, max_size=100))
+def test_writers_sharing_a_store_never_mint_the_same_id(steps):
+    now = [EPOCH_MS + 10**6]
+    clocks = [IdClock(0, clock=lambda: now[0], writer=w, writers=4) for w in range(4)]
+    seen: set[int] = set()
+    last = [0] * 4
+    for w, n, jump in steps:
+        now[0] += jump
+        first = clocks[w].take(n)
+        ids = range(first, first + 4 * n, 4)
+        assert first > last[w] and all(i % 4 == w for i in (ids[0], ids[-1]))
+        assert not seen.intersection(ids)
+        seen.update(ids)
+        last[w] = ids[-1]
+
+
+def test_a_writer_resumes_on_its_own_progression_above_every_stored_id():
+    stored = id_floor(EPOCH_MS + 10**9) + 6  # written by writer 2 of 4
+    c = IdClock(stored, clock=lambda: EPOCH_MS, writer=1, writers=4)
+    first = c.take(3)
+    assert first > stored and first % 4 == 1
