@@ -6,7 +6,9 @@ to histograms and to a `Server-Timing` header.
 """
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import re
 import secrets
 import time
@@ -26,11 +28,25 @@ TRUE = frozenset(("1", "true", "yes", "on"))
 FALSE = frozenset(("0", "false", "no", "off", ""))
 
 
+_RID_PREFIX = secrets.token_hex(4)  # per process (re-drawn after fork by _reseed), so ids never collide
+_rid_counter = itertools.count(1)
+
+
+def _reseed() -> None:
+    global _RID_PREFIX, _rid_counter
+    _RID_PREFIX = secrets.token_hex(4)
+    _rid_counter = itertools.count(1)
+
+
+os.register_at_fork(after_in_child=_reseed)
+
+
 def request_id(req) -> str:
+    """The caller's X-Request-Id when well-formed, else a fresh one: 16 hex characters without a syscall."""
     rid = req.get_header("X-Request-Id")
     if rid and REQUEST_ID_RE.fullmatch(rid):
         return rid
-    return secrets.token_hex(8)
+    return f"{_RID_PREFIX}{next(_rid_counter) & 0xFFFFFFFF:08x}"
 
 
 def send_error(req, resp, err: ApiError) -> None:
