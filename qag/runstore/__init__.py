@@ -27,6 +27,13 @@ until COMMIT, so even several recorders sharing one PostgreSQL commit in id orde
 the one recorder, inserting batches one after another). A batch becomes visible whole, at its
 commit, after every batch with smaller ids. So once a reader has seen id X, every run with an id
 below X is already visible to it, and any run committed later has an id above X.
+Several recorders on one ClickHouse (one per host) commit independently: each takes every W-th id
+(QAG_RUN_WRITERS = W, QAG_RUN_WRITER_ID = w, so none collide) and events are delivered only once
+older than QAG_EVENTS_SETTLE_MS, set above the longest insert.
+
+Settings (environment, read by StoreSettings.from_env): QAG_EVENTS_RETENTION_HOURS (24),
+QAG_HISTORY_RETENTION_DAYS (30), QAG_HISTORY_SAMPLE_RATE (1; failures always kept),
+QAG_USAGE_RETENTION_DAYS (400), QAG_RUN_WRITERS (1), QAG_RUN_WRITER_ID (0), QAG_EVENTS_SETTLE_MS (0).
 """
 from __future__ import annotations
 
