@@ -133,6 +133,8 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
                 except Exception:
                     pass
 
+    abandoned = []
+
     def finish(p):
         fut, positions, n = p
         try:
@@ -140,8 +142,10 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
         except Exception:
             if not stop_event.is_set():
                 raise
-            # gave up while stopping: the rings keep these runs for the next recorder
+            # Gave up while stopping: the rings keep these runs for the next recorder, and no later
+            # batch may commit (its positions would release these).
             log.exception("run store write abandoned at stop; the runs stay in the rings")
+            abandoned.append(True)
             return
         for slot, pos in positions.items():
             rings[slot].release(pos)
@@ -187,11 +191,16 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
                             prepared = store.prepare(sid, batch)
                             if pending is not None:
                                 finish(pending)
+                                pending = None
+                            if abandoned:
+                                return state
                             pending = (writer.submit(commit, prepared), prepared.positions, nbatch)
                             batch, nbatch = [], 0
                         if pending is not None:
                             finish(pending)
                             pending = None
+                        if abandoned:
+                            return state
                         head = rings[slot].head
                         skipped = head - cursor[slot]
                         rings[slot].release(head)
@@ -237,6 +246,9 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
                 prepared = store.prepare(sid, batch)
                 if pending is not None:
                     finish(pending)
+                    pending = None
+                    if abandoned:
+                        return state
                     do_publish()
                     last_publish = time.monotonic()
                 pending = (writer.submit(commit, prepared), prepared.positions, nbatch)

@@ -308,3 +308,24 @@ def test_a_corrupt_ring_is_skipped_to_its_head_and_the_others_go_on():
     assert len(ids) == len(set(ids))
     assert state.corrupt_skips == 1 and "crc32" in state.last_error
     assert bad.tail == bad.head
+
+
+def test_after_a_write_is_abandoned_at_stop_no_later_batch_commits():
+    """Batch N gives up at stop; batch N+1 must not commit, or its positions would release N's runs."""
+    src, store = FakeSource(1), ObservedStore()
+    fill(src, 40)
+    orig_commit = store.commit
+    first = []
+
+    def commit(batch):
+        if not first:
+            first.append(batch)
+        if batch is first[0]:  # the store refuses batch N only: N+1 would go through
+            raise ConnectionError("store down")
+        return orig_commit(batch)
+
+    store.commit = commit
+    stop = threading.Event()
+    stop.set()
+    state = run_recorder(src, store, stop, batch_max=10, stop_grace_s=0.3)
+    assert state.records == 0 and store.request_ids() == [] and src.rings[0].tail == 0
