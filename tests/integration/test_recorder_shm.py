@@ -79,8 +79,8 @@ def segment():
 def test_sigkill_mid_burst_loses_nothing_and_duplicates_nothing(kind, segment):
     name, seg = segment
     tmp = tempfile.mkdtemp(prefix="qag-rec-kill-")
-    url = {"sqlite": os.path.join(tmp, "runs.db"), "postgresql": pg_fresh("qag_rec_test_kill"),
-           "clickhouse": f"chdb://{tmp}/ch"}[kind]
+    url = {"sqlite": lambda: os.path.join(tmp, "runs.db"), "postgresql": lambda: pg_fresh("qag_rec_test_kill"),
+           "clickhouse": lambda: f"chdb://{tmp}/ch"}[kind]()
     rnd = random.Random(kind)
     rec = start_recorder(name, url, 2)
     producers = [subprocess.Popen([sys.executable, "-c", PRODUCER, name, str(s), str(PER_PRODUCER)], cwd=ROOT,
