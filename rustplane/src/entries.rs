@@ -116,8 +116,18 @@ impl KeyEntry {
         })
     }
 
-    /// Runtime._check_key: true when the key may call now from `ip`.
-    pub fn allows(&self, now_us: i64, ip: Option<IpAddr>) -> bool {
+    /// Runtime._check_key: Some(true) when the key may call now from `ip`; None when an allowed_ips entry
+    /// is in a form only Python's ipaddress reads (a netmask, a scope id…): the call is forwarded.
+    pub fn allows(&self, now_us: i64, ip: Option<IpAddr>) -> Option<bool> {
+        if let Some(nets) = &self.allowed_ips {
+            if nets.iter().any(|n| parse_net(n).is_none()) {
+                return None;
+            }
+        }
+        Some(self.allows_parsed(now_us, ip))
+    }
+
+    fn allows_parsed(&self, now_us: i64, ip: Option<IpAddr>) -> bool {
         let now_us = now_us - now_us.rem_euclid(1000); // Python compares millisecond RFC 3339 texts
         if !self.active {
             return false;
@@ -138,13 +148,28 @@ impl KeyEntry {
     }
 }
 
-/// ipaddress.ip_network(n, strict=False) membership; malformed networks never match.
-pub fn ip_in(ip: IpAddr, net: &str) -> bool {
+/// A network in the plain forms both parsers read alike: "addr" or "addr/bits" (decimal bits).
+fn parse_net(net: &str) -> Option<(IpAddr, u32)> {
     let (addr, bits) = match net.split_once('/') {
         Some((a, b)) => (a, Some(b)),
         None => (net, None),
     };
-    let Ok(na) = addr.trim().parse::<IpAddr>() else { return false };
+    if !addr.bytes().all(|b| b.is_ascii_hexdigit() || b == b'.' || b == b':') {
+        return None;
+    }
+    let na = addr.parse::<IpAddr>().ok()?;
+    let width = if na.is_ipv4() { 32 } else { 128 };
+    let bits = match bits {
+        None => width,
+        Some(b) if !b.is_empty() && b.len() <= 3 && b.bytes().all(|c| c.is_ascii_digit()) => b.parse().ok().filter(|n| *n <= width)?,
+        Some(_) => return None,
+    };
+    Some((na, bits))
+}
+
+/// ipaddress.ip_network(n, strict=False) membership, for networks parse_net reads.
+pub fn ip_in(ip: IpAddr, net: &str) -> bool {
+    let Some((na, bits)) = parse_net(net) else { return false };
     let ip = match (ip, na) {
         (IpAddr::V6(v6), IpAddr::V4(_)) => match v6.to_ipv4_mapped() {
             Some(v4) => IpAddr::V4(v4),
@@ -153,13 +178,6 @@ pub fn ip_in(ip: IpAddr, net: &str) -> bool {
         _ => ip,
     };
     let width = if na.is_ipv4() { 32 } else { 128 };
-    let bits: u32 = match bits {
-        None => width,
-        Some(b) => match b.trim().parse() {
-            Ok(b) if b <= width => b,
-            _ => return false,
-        },
-    };
     let to_u128 = |a: IpAddr| match a {
         IpAddr::V4(x) => u32::from(x) as u128,
         IpAddr::V6(x) => u128::from(x),
@@ -371,6 +389,7 @@ mod tests {
         assert!(ip_in(ip("::1"), "::1/128"));
         assert!(!ip_in(ip("127.0.0.1"), "::1"));
         assert!(!ip_in(ip("127.0.0.1"), "bogus"));
+        assert!(parse_net(" 10.0.0.0/8").is_none() && parse_net("10.0.0.0/ 8").is_none() && parse_net("fe80::1%eth0").is_none());
         assert!(ip_in(ip("1.2.3.4"), "0.0.0.0/0"));
     }
 
@@ -378,19 +397,22 @@ mod tests {
     fn key_checks_like_check_key() {
         let mut k = KeyEntry { name: "k".into(), active: true, expires_at_us: Some(100_000), allowed_ips: None, prev: false,
                                prev_until_us: None, rate_limited: false, gen: 0 };
-        assert!(k.allows(99_999, None));
-        assert!(!k.allows(100_000, None), "expires_at <= now: expired");
-        assert!(k.allows(100_999 - 1000, None), "now is compared at millisecond precision");
+        assert_eq!(k.allows(99_999, None), Some(true));
+        assert_eq!(k.allows(100_000, None), Some(false), "expires_at <= now: expired");
+        assert_eq!(k.allows(100_999 - 1000, None), Some(true), "now is compared at millisecond precision");
         k.expires_at_us = None;
         k.prev = true;
-        assert!(!k.allows(5, None), "previous secret without a grace end");
+        assert_eq!(k.allows(5, None), Some(false), "previous secret without a grace end");
         k.prev_until_us = Some(10_000);
-        assert!(k.allows(9_999, None) && !k.allows(10_000, None));
+        assert!(k.allows(9_999, None) == Some(true) && k.allows(10_000, None) == Some(false));
         k.prev = false;
         k.allowed_ips = Some(vec!["127.0.0.0/8".into()]);
-        assert!(k.allows(0, Some("127.0.0.2".parse().unwrap())));
-        assert!(!k.allows(0, None));
+        assert_eq!(k.allows(0, Some("127.0.0.2".parse().unwrap())), Some(true));
+        assert_eq!(k.allows(0, None), Some(false));
+        k.allowed_ips = Some(vec!["10.0.0.0/255.0.0.0".into()]);
+        assert_eq!(k.allows(0, None), None, "a netmask form: Python's ipaddress decides");
+        k.allowed_ips = Some(vec!["127.0.0.0/8".into()]);
         k.active = false;
-        assert!(!k.allows(0, Some("127.0.0.2".parse().unwrap())));
+        assert_eq!(k.allows(0, Some("127.0.0.2".parse().unwrap())), Some(false));
     }
 }

@@ -501,9 +501,10 @@ mod tests {
         assert_eq!(numeric_texts(&numeric(&[1000], 0, false, 0)), Some(("1000".into(), "1000".into())));
         // 123456789.00 -> 123456789 (integral)
         assert_eq!(numeric_texts(&numeric(&[1, 2345, 6789], 2, false, 2)), Some(("123456789.00".into(), "123456789".into())));
-        // -0.0000001 -> Decimal('-1E-7') -> float -1e-07
-        assert_eq!(numeric_texts(&numeric(&[0, 1000], -1, true, 7)).unwrap().0, "-1E-7");
-        assert_eq!(numeric_texts(&numeric(&[1000], -2, true, 7)), Some(("-1E-7".into(), "-1e-07".into())));
+        // -0.0000100 (digits base 10000: 1000 x 10000^-2) -> Decimal('-0.0000100') -> float -1e-05
+        assert_eq!(numeric_texts(&numeric(&[0, 1000], -1, true, 7)), Some(("-0.0000100".into(), "-1e-05".into())));
+        // -0.0000001 (10 x 10000^-2) -> Decimal('-1E-7') -> float -1e-07
+        assert_eq!(numeric_texts(&numeric(&[10], -2, true, 7)), Some(("-1E-7".into(), "-1e-07".into())));
         // 0 with scale 2
         assert_eq!(numeric_texts(&numeric(&[], 0, false, 2)), Some(("0.00".into(), "0".into())));
         // 10000000000000000000 (2^63 < v): float

@@ -306,7 +306,8 @@ async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Option<IpAddr>)
         bytes: 0,
         request_id: rid.clone(),
     };
-    if !key.allows(now_us(), peer) {
+    let Some(allowed) = key.allows(now_us(), peer) else { return Decision::Forward("allowed_ips needs Python") };
+    if !allowed {
         let err = ApiError::new(401, "unauthorized", UNAUTHORIZED);
         run.status = 401;
         run.code = Some("unauthorized");
