@@ -117,6 +117,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("events_retention_hours", "QAG_EVENTS_RETENTION_HOURS", _pos_int, "24", "Hours the event table keeps every run.", "hours"),
     Setting("history_retention_days", "QAG_HISTORY_RETENTION_DAYS", _pos_int, "30", "Days history keeps runs.", "days"),
     Setting("history_sample_rate", "QAG_HISTORY_SAMPLE_RATE", _rate, "1", "Share of successful runs kept in history (failures always kept).", "0..1"),
+    Setting("usage_retention_days", "QAG_USAGE_RETENTION_DAYS", _pos_int, "400", "Days the per-minute usage rollups are kept.", "days"),
+    Setting("run_writers", "QAG_RUN_WRITERS", _pos_int, "1", "Recorders writing one shared run store (several hosts on one ClickHouse).", "int"),
+    Setting("run_writer_id", "QAG_RUN_WRITER_ID", _nonneg_int, "0", "This host's recorder number, 0..QAG_RUN_WRITERS-1 (keeps event ids apart).", "int"),
+    Setting("events_settle_ms", "QAG_EVENTS_SETTLE_MS", _nonneg_int, "0", "With several writers: events are delivered once older than this, so none arrives out of order.", "ms"),
     Setting("log_level", "QAG_LOG_LEVEL", _str, "info", "Log level of the arbiter and workers.", "str"),
     Setting("access_log", "QAG_ACCESS_LOG", _bool, "0", "Write a gunicorn access log line per request (runs are the access log).", "bool"),
 )
@@ -152,6 +156,9 @@ def load(environ: dict[str, str] | None = None, **overrides: Any) -> Config:
             raise SettingError(f"unknown setting {name}")
         if value is not None:
             values[name] = value
+    if values["run_writer_id"] >= values["run_writers"]:
+        raise SettingError(f"QAG_RUN_WRITER_ID={values['run_writer_id']} is malformed: must be below "
+                           f"QAG_RUN_WRITERS={values['run_writers']}")
     values["home"] = os.path.abspath(os.path.expanduser(values["home"]))
     return Config(values)
 
