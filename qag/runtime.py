@@ -153,18 +153,41 @@ class Runtime:
             count, period = parse_rate(spec)
             now = time.time()
             start = now - (now % period)
-            with self._lock:
-                k = (field, principal.name)
-                window = self._rate.get(k)
-                if window is None or window[0] != start:
-                    window = [start, 0]
-                    self._rate[k] = window
-                window[1] += 1
-                over = window[1] > count
+            if self.gens is not None and hasattr(self.gens, "gauge_cells"):
+                over = self._shared_window(field, principal.name, start, count)
+            else:
+                with self._lock:
+                    k = (field, principal.name)
+                    window = self._rate.get(k)
+                    if window is None or window[0] != start:
+                        window = [start, 0]
+                        self._rate[k] = window
+                    window[1] += 1
+                    over = window[1] > count
             if over:
                 retry = max(1, int(start + period - now + 0.999))
                 raise ApiError(429, code, f"This key {what} {spec}; wait {retry} s and retry.",
                                {"retry_after": retry}, {"Retry-After": str(retry)})
+
+    def _shared_window(self, field: str, key_name: str, start: float, count: int) -> bool:
+        """A fixed window counted across every worker of the host: each worker writes its own slot's pair of
+        gauge cells (window start, calls in it); the budget is the sum over slots in the current window.
+        Two workers deciding in the same microsecond may let one call more through, never a whole worker's
+        share."""
+        seg, slot = self.gens, self.slot
+        labels = (("key", key_name), ("limit", field))
+        with self._lock:
+            starts = seg.gauge_cells("qag_limit_window_start", labels)
+            calls = seg.gauge_cells("qag_limit_window_calls", labels)
+            used = sum(c for s_, c in zip(starts, calls) if s_ == start)
+            if used >= count:
+                return True
+            if starts[slot] != start:
+                seg.gauge_set(slot, "qag_limit_window_calls", labels, 1)
+                seg.gauge_set(slot, "qag_limit_window_start", labels, start)
+            else:
+                seg.gauge_set(slot, "qag_limit_window_calls", labels, calls[slot] + 1)
+        return False
 
     # -- metadata, cached ----------------------------------------------------------------------
     def query(self, name: str) -> tuple[dict | None, int]:

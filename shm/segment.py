@@ -551,6 +551,14 @@ class Segment:
         """Gauges are summed over slots like counters, but zeroed when a new process claims the slot."""
         self._d[self._cell(slot, L.KIND_GAUGE, name, labels)] = value
 
+    def gauge_cells(self, name: str, labels: tuple = ()) -> list[float]:
+        """One gauge series' value in every slot, in slot order (each slot's cell has its one writer, N1):
+        what a cross-process budget, such as a key's rate limit, sums over the slots it counts."""
+        i0 = self._cell(0, L.KIND_GAUGE, name, labels)
+        step = self.geometry.cells_per_slot
+        d = self._d
+        return [d[i0 + s * step] for s in range(self.slots)]
+
     def histogram_observe(self, slot: int, name: str, labels: tuple, value: float) -> None:
         """N2: bucket i counts value <= HIST_BOUNDS[i] (non-cumulative), then the sum."""
         i = self._cell(slot, L.KIND_HISTOGRAM, name, labels)

@@ -215,7 +215,8 @@ def test_429_rate_limited(srv, seeded):
                                             "rate_limit": "3/minute"}).json()["secret"]
     codes = [call(srv, "/q/account?aid=1", secret) for _ in range(12)]
     limited = [r for r in codes if r.status_code == 429]
-    assert limited, [r.status_code for r in codes]
+    # counted across both workers (the segment), not per worker: exactly the budget gets through
+    assert [r.status_code for r in codes].count(200) == 3, [r.status_code for r in codes]
     b = assert_error(limited[0], 429, "rate_limited")
     assert int(limited[0].headers["Retry-After"]) >= 1 and b["retry_after"] >= 1
 
