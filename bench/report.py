@@ -129,25 +129,28 @@ class Report:
         self.w('## Headline\n')
         self.w('DESIGN.md\'s targets for the Python path (one worker, primary-key lookup, 32 callers, every run '
                'recorded): at least 3x QueryAPIGate 0.43 with its metadata cache per gateway core, plain and '
-               'governed; at least 80% of the Falcon + psycopg2 floor; one caller\'s p50 under 0.6 ms.\n')
+               'governed; at least 80% of the Falcon + psycopg2 floor; one caller\'s p50 under 0.6 ms. For the '
+               'data plane: at least 15x the peer per gateway core. Ratios: median over median, with the range '
+               'worst-round/best-round to best/worst; "clear" when that range excludes 1.\n')
         out = []
         for harness, floor in (('oltp', 'floor_pg'), ('tpcc_mysql', 'floor_mysql')):
-            for call in ('lookup_plain', 'lookup_governed', 'customer_plain', 'customer_governed'):
+            for call, tname in [(c, t) for t in ('qag', 'qag_plane')
+                                for c in ('lookup_plain', 'lookup_governed', 'customer_plain', 'customer_governed')]:
                 by = group([r for r in tp if r['harness'] == harness and r['call'] == call], 'target')
-                q = by.get(('qag',), [])
+                q = by.get((tname,), [])
                 if not q:
                     continue
                 fl = group([r for r in tp if r['harness'] == harness and r['call'] == call.replace('governed', 'plain')],
                            'target').get((floor,), [])
                 one = [r.get('p50_ms') for r in lat if r['harness'] == harness and r['call'] == call
-                       and r['target'] == 'qag']
-                out.append([harness, call, cell([r.get('calls_per_gw_cpu_s') for r in q]),
+                       and r['target'] == tname]
+                out.append([harness, LABEL[tname], call, cell([r.get('calls_per_gw_cpu_s') for r in q]),
                             ratio_cell(q, by.get(('peer_cache',), []), 'calls_per_gw_cpu_s'),
                             ratio_cell(q, by.get(('peer',), []), 'calls_per_gw_cpu_s'),
                             ratio_cell(q, fl, 'rps'), ratio_cell(q, fl, 'calls_per_gw_cpu_s'), cell(one, 2)])
         if out:
-            self.w(table(['harness', 'call', 'qag calls per gateway CPU-s', 'x peer+cache per core', 'x peer per core',
-                          'of floor (calls/s)', 'of floor (per core)', 'qag 1-caller p50 ms'], out))
+            self.w(table(['harness', 'target', 'call', 'calls per gateway CPU-s', 'x peer+cache per core',
+                          'x peer per core', 'of floor (calls/s)', 'of floor (per core)', '1-caller p50 ms'], out))
 
     def health(self):
         hs = [r for r in self.rows if r['block'] == 'health']
