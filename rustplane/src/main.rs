@@ -6,12 +6,13 @@
 //! (requests bearing it are always forwarded); QAG_RECORD_WAIT_MS (default 50).
 
 use qag_plane::segment::Segment;
-use qag_plane::server::{run_thread, Shared, Upstream};
+use qag_plane::server::{run_thread, Shared, Upstream, DRAINING, INFLIGHT};
 use qag_plane::sys;
 use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
 
 const USAGE: &str = "usage: qag-plane --listen HOST:PORT --upstream unix:/path|HOST:PORT --segment /qag-xxxx --slot N \
 --threads T [--pin-cpus 0,1] --home QAG_HOME";
@@ -115,6 +116,7 @@ fn main() -> ExitCode {
         args.segment,
         args.slot
     );
+    sys::block_stop_signals(); // before the threads start: they inherit the mask
     let mut handles = Vec::new();
     for i in 0..args.threads {
         let sh = shared.clone();
@@ -142,6 +144,18 @@ fn main() -> ExitCode {
     // M2: a heartbeat every second tells `qag shm stat` and the arbiter that the plane is alive.
     loop {
         shared.seg.set_heartbeat(shared.slot, None);
-        std::thread::sleep(Duration::from_secs(1));
+        if sys::wait_stop_signal(1000) {
+            break;
+        }
     }
+    // SIGTERM: stop accepting, let the calls in flight finish (and be recorded), then exit.
+    DRAINING.store(true, Ordering::SeqCst);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for h in handles {
+        while !h.is_finished() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+    eprintln!("qag-plane: stopped ({} calls still in flight)", INFLIGHT.load(Ordering::SeqCst));
+    ExitCode::SUCCESS
 }

@@ -20,6 +20,7 @@ use std::cell::{Cell as StdCell, RefCell};
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -544,7 +545,36 @@ fn bad_gateway(detail: &str) -> Response<Body> {
     error_response(&err, &mint_request_id())
 }
 
+/// Calls being handled now, and whether the plane is stopping (SIGTERM): listeners close, calls in
+/// flight finish, then the process exits.
+pub static INFLIGHT: AtomicUsize = AtomicUsize::new(0);
+pub static DRAINING: AtomicBool = AtomicBool::new(false);
+
+struct InFlight;
+
+impl InFlight {
+    fn enter() -> InFlight {
+        INFLIGHT.fetch_add(1, Ordering::SeqCst);
+        InFlight
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        INFLIGHT.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 pub async fn handle(sh: Arc<Shared>, req: Request<Incoming>, peer: Option<IpAddr>) -> Result<Response<Body>, Infallible> {
+    let _guard = InFlight::enter();
+    let mut r = route(sh, req, peer).await?;
+    if DRAINING.load(Ordering::Relaxed) {
+        r.headers_mut().insert("connection", HeaderValue::from_static("close"));
+    }
+    Ok(r)
+}
+
+async fn route(sh: Arc<Shared>, req: Request<Incoming>, peer: Option<IpAddr>) -> Result<Response<Body>, Infallible> {
     if req.method() == hyper::Method::GET && req.uri().path().starts_with("/q/") {
         match serve_query(&sh, &req, peer).await {
             Decision::Answer(r) => return Ok(r),
@@ -569,7 +599,18 @@ pub fn run_thread(sh: Arc<Shared>, listen: SocketAddr) -> std::io::Result<()> {
         sock.bind(listen)?;
         let listener = sock.listen(1024)?;
         loop {
-            let (stream, addr) = match listener.accept().await {
+            if DRAINING.load(Ordering::Relaxed) {
+                drop(listener); // no new connections; the calls in flight finish below
+                while INFLIGHT.load(Ordering::SeqCst) > 0 {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                return Ok(());
+            }
+            let accepted = match tokio::time::timeout(Duration::from_millis(100), listener.accept()).await {
+                Ok(a) => a,
+                Err(_) => continue, // look at DRAINING again
+            };
+            let (stream, addr) = match accepted {
                 Ok(x) => x,
                 Err(e) => {
                     eprintln!("qag-plane: accept: {e}");

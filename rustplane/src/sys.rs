@@ -226,3 +226,29 @@ pub fn set_process_name(name: &str) {
         unsafe { libc::prctl(libc::PR_SET_NAME, c.as_ptr() as libc::c_ulong, 0, 0, 0) };
     }
 }
+
+/// Block SIGTERM and SIGINT in the calling thread (threads started later inherit the mask), so that
+/// `wait_stop_signal` alone receives them.
+pub fn block_stop_signals() {
+    // SAFETY: sigset_t is plain data; sigemptyset/sigaddset initialise it; pthread_sigmask only reads it.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+    }
+}
+
+/// Wait up to `ms` for SIGTERM or SIGINT (blocked by `block_stop_signals`); true when one arrived.
+pub fn wait_stop_signal(ms: u64) -> bool {
+    // SAFETY: as above; sigtimedwait writes only into the null-allowed info pointer and reads ts.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        let ts = libc::timespec { tv_sec: (ms / 1000) as libc::time_t, tv_nsec: ((ms % 1000) * 1_000_000) as libc::c_long };
+        libc::sigtimedwait(&set, std::ptr::null_mut(), &ts) > 0
+    }
+}
