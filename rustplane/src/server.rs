@@ -466,13 +466,13 @@ async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Option<IpAddr>)
     Decision::Answer(r)
 }
 
-async fn upstream_sender(up: &Upstream) -> std::io::Result<hyper::client::conn::http1::SendRequest<Incoming>> {
-    let reused = UPSTREAM.with(|p| {
+async fn upstream_sender(up: &Upstream, fresh: bool) -> std::io::Result<hyper::client::conn::http1::SendRequest<Incoming>> {
+    let reused = if fresh { None } else { UPSTREAM.with(|p| {
         let mut pool = p.borrow_mut();
         pool.retain(|s| !s.is_closed());
         let i = pool.iter().position(|s| s.is_ready())?;
         Some(pool.swap_remove(i))
-    });
+    }) };
     if let Some(s) = reused {
         return Ok(s);
     }
@@ -511,32 +511,38 @@ pub async fn forward(up: &Upstream, mut req: Request<Incoming>, peer: Option<IpA
             h.insert(HeaderName::from_static("x-qag-client-addr"), v);
         }
     }
-    let mut sender = match upstream_sender(up).await {
-        Ok(s) => s,
-        Err(e) => return bad_gateway(&format!("cannot connect to gunicorn: {e}")),
-    };
-    if sender.ready().await.is_err() {
-        match upstream_sender(up).await {
-            Ok(s) => sender = s,
+    let mut req = req;
+    for attempt in 0..2 {
+        // a kept-alive connection gunicorn has just closed (its keepalive timeout) fails before the request
+        // is written: hyper gives the request back and it goes again on a new connection
+        let mut sender = match upstream_sender(up, attempt > 0).await {
+            Ok(s) => s,
             Err(e) => return bad_gateway(&format!("cannot connect to gunicorn: {e}")),
+        };
+        if sender.ready().await.is_err() {
+            continue;
         }
-    }
-    let resp = sender.send_request(req).await;
-    UPSTREAM.with(|p| {
-        let mut pool = p.borrow_mut();
-        if pool.len() < 256 && !sender.is_closed() {
-            pool.push(sender);
-        }
-    });
-    match resp {
-        Ok(mut r) => {
-            for n in HOP {
-                r.headers_mut().remove(n);
+        let resp = sender.try_send_request(req).await;
+        UPSTREAM.with(|p| {
+            let mut pool = p.borrow_mut();
+            if pool.len() < 256 && !sender.is_closed() {
+                pool.push(sender);
             }
-            r.map(Either::Right)
+        });
+        match resp {
+            Ok(mut r) => {
+                for n in HOP {
+                    r.headers_mut().remove(n);
+                }
+                return r.map(Either::Right);
+            }
+            Err(mut e) => match e.take_message() {
+                Some(r) => req = r,
+                None => return bad_gateway(&format!("gunicorn did not answer: {}", e.error())),
+            },
         }
-        Err(e) => bad_gateway(&format!("gunicorn did not answer: {e}")),
     }
+    bad_gateway("the connection to gunicorn failed twice")
 }
 
 fn bad_gateway(detail: &str) -> Response<Body> {
