@@ -409,7 +409,8 @@ class Bench:
             H.progress('[profile] py-spy not installed (pip install py-spy): skipped')
             return
         call = self.calls_by_prefix('lookup', 'customer')[0]
-        tgts = [t for t in self.supporting(call) if t.name != 'floor_hello']
+        # py-spy reads Python processes only: the Rust plane (qag_plane) has nothing for it to sample
+        tgts = [t for t in self.supporting(call) if t.name not in ('floor_hello', 'qag_plane')]
         for t in tgts:
             try:
                 self.start(t, workers=1)
