@@ -334,7 +334,7 @@ async fn connect(spec: &SessionSpec) -> Result<Session, ExecError> {
     if let Some(u) = &c.user {
         cfg.user(u);
     } else {
-        cfg.user(std::env::var("USER").unwrap_or_else(|_| "postgres".into()));
+        cfg.user(crate::sys::os_user().unwrap_or_else(|| "postgres".into())); // libpq's default
     }
     if let Some(d) = &c.database {
         cfg.dbname(d);

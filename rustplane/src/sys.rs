@@ -252,3 +252,16 @@ pub fn wait_stop_signal(ms: u64) -> bool {
         libc::sigtimedwait(&set, std::ptr::null_mut(), &ts) > 0
     }
 }
+
+/// The name of the effective user, as libpq takes it when a connection names no user.
+pub fn os_user() -> Option<String> {
+    // SAFETY: getpwuid returns a pointer into static storage or null; we copy the name out at once and
+    // only the plane's connect path calls this (rarely).
+    unsafe {
+        let pw = libc::getpwuid(libc::geteuid());
+        if pw.is_null() || (*pw).pw_name.is_null() {
+            return None;
+        }
+        std::ffi::CStr::from_ptr((*pw).pw_name).to_str().ok().map(str::to_string)
+    }
+}
