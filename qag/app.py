@@ -49,6 +49,17 @@ def request_id(req) -> str:
     return f"{_RID_PREFIX}{next(_rid_counter) & 0xFFFFFFFF:08x}"
 
 
+def client_addr(req) -> str | None:
+    """The caller's address. Behind the data plane gunicorn listens only on a unix socket in QAG_HOME, the
+    plane strips any X-Qag-Client-Addr a client sends and sets it to the caller's address: trusted then,
+    and only then (on a TCP bind, a client could forge it)."""
+    if req.env.get("qag.behind_plane"):
+        forwarded = req.get_header("X-Qag-Client-Addr")
+        if forwarded:
+            return forwarded
+    return req.remote_addr
+
+
 def send_error(req, resp, err: ApiError) -> None:
     rid = req.context.get("request_id") or request_id(req)
     resp.status = falcon.code_to_http_status(err.status)
@@ -65,7 +76,10 @@ def read_json(req, cfg, *, allow_empty: bool = False) -> dict:
     length = req.content_length
     if length is not None and length > cfg.max_body_bytes:
         raise ApiError(413, "body_too_large", f"The request body is larger than {cfg.max_body_bytes} bytes.")
-    raw = req.bounded_stream.read(cfg.max_body_bytes + 1)
+    if length is None and req.env.get("wsgi.input_terminated"):
+        raw = req.stream.read(cfg.max_body_bytes + 1)  # chunked: the server ends the stream for us
+    else:
+        raw = req.bounded_stream.read(cfg.max_body_bytes + 1)
     if len(raw) > cfg.max_body_bytes:
         raise ApiError(413, "body_too_large", f"The request body is larger than {cfg.max_body_bytes} bytes.")
     if not raw.strip():
@@ -86,6 +100,8 @@ class RequestIdMiddleware:
         self.app = app
 
     def process_request(self, req, resp):
+        if self.app.behind_plane:
+            req.env["qag.behind_plane"] = True
         req.context.request_id = request_id(req)
         req.context.started = time.perf_counter()
 
@@ -137,7 +153,7 @@ class DataResource:
         query_seconds = None
         plan_hit = None
         try:
-            principal = rt.authenticate(req.get_header("X-API-Key"), req.remote_addr)
+            principal = rt.authenticate(req.get_header("X-API-Key"), client_addr(req))
             run["key_name"] = None if principal.admin else principal.name
             rt.check_rate(principal)
             opts = call_options(given, app.cfg)
@@ -348,6 +364,7 @@ class QagApp:
         self.segment = segment
         self.run_store_url: str | None = None
         self.result_cache: dict = {}
+        self.behind_plane = bool(getattr(cfg, "public_bind", None)) and str(cfg.bind).startswith("unix:")
         self._run_store = None
         self._apply = None
         self.falcon = falcon.App(middleware=[RequestIdMiddleware(self)])

@@ -42,6 +42,7 @@ def plan_entry(plan, cfg, sql_text: str) -> dict:
             "arg_names": list(plan.arg_names),
             "specs": [_spec(s) for s in plan.specs],
             "transforms": list(plan.transforms) if plan.transforms is not None else None,
+            "names": list(plan.names) if getattr(plan, "names", None) is not None else None,
             "page_mode": plan.page_mode, "is_write": bool(plan.is_write), "write_ops": sorted(plan.write_ops),
             "tables": sorted(plan.tables), "gens": list(plan.gens), "cache_ttl": plan.cache_ttl,
             "default_page_size": cfg.default_page_size, "max_page_size": cfg.max_page_size,

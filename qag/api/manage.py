@@ -12,7 +12,7 @@ import time
 import falcon
 
 from qag import params as P, plan as plan_mod, timeutil
-from qag.app import read_json
+from qag.app import read_json, client_addr
 from qag.errors import ApiError
 from qag.runtime import parse_rate
 from qag.store import Conflict, GRANT_FIELDS, public_connection, public_key
@@ -25,7 +25,7 @@ MASK_ACTIONS = ("hash", "mask", "null", "drop")
 
 
 def require_admin(app, req):
-    p = app.runtime.authenticate(req.get_header("X-API-Key"), req.remote_addr)
+    p = app.runtime.authenticate(req.get_header("X-API-Key"), client_addr(req))
     if not p.admin:
         raise ApiError(403, "forbidden", "This route is for administrators; use QAG_ADMIN_KEY or an administrator "
                        "token.")

@@ -5,6 +5,7 @@ import hmac
 import json
 
 from qag import __version__
+from qag.app import client_addr
 from qag.errors import ApiError
 
 
@@ -98,7 +99,7 @@ class OpenAPI:
         secret = req.get_header("X-API-Key")
         if secret:
             try:
-                principal = rt.authenticate(secret, req.remote_addr)
+                principal = rt.authenticate(secret, client_addr(req))
             except ApiError:
                 principal = None
         if principal is not None:

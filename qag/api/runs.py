@@ -10,6 +10,7 @@ import json
 import time
 
 from qag.api.manage import ok, require_admin
+from qag.app import client_addr
 from qag.errors import ApiError
 
 KEEPALIVE_S = 15.0
@@ -76,7 +77,7 @@ class Events:
         self.app = app
 
     def on_get(self, req, resp):
-        p = self.app.runtime.authenticate(req.get_header("X-API-Key"), req.remote_addr)
+        p = self.app.runtime.authenticate(req.get_header("X-API-Key"), client_addr(req))
         raw = req.get_header("Last-Event-ID") or req.get_param("last_event_id") or "0"
         try:
             last = int(raw)
@@ -98,7 +99,7 @@ class Events:
             while True:
                 if not p.admin:  # a revoked key's stream ends at once
                     try:
-                        runtime.authenticate(req.get_header("X-API-Key"), req.remote_addr)
+                        runtime.authenticate(req.get_header("X-API-Key"), client_addr(req))
                     except ApiError:
                         return
                 batch = store.events_after(last, key_name, 1000)

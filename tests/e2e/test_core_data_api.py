@@ -278,3 +278,11 @@ def test_unknown_route_json(srv):
     assert_error(r, 404, "not_found")
     r = requests.delete(srv.base + "/health")
     assert r.status_code == 405 and r.json()["code"] == "method_not_allowed"
+
+
+def test_chunked_post_body(srv, seeded):
+    def body():
+        yield b'{"params": '
+        yield b'{"aid": 8}}'
+    r = requests.post(srv.base + "/q/account", headers={"X-API-Key": seeded["bench"], **J}, data=body())
+    assert r.status_code == 200 and r.json() == [{"aid": 8, "bid": 1, "abalance": 0}], r.text

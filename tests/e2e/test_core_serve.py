@@ -356,3 +356,27 @@ def test_concurrent_burst_counted_and_recorded_exactly(pgbench_dsn):
     served_by = {x["served_by"] for x in items}
     assert served_by == {"worker:0", "worker:1"}
     srv.stop()
+
+
+def test_allowed_ips_hold_for_calls_the_plane_forwards(pgbench_dsn):
+    from qag.arbiter import plane_binary
+    if plane_binary() is None:
+        pytest.skip("qag-plane is not built (the plane's e2e tests build it)")
+    srv = start_server(args=("--workers", "1", "--plane"))
+    try:
+        local = setup(srv, {"allowed_ips": ["127.0.0.0/8"]})
+        r = requests.post(srv.base + "/api/v1/api-keys", headers={**srv.admin, **J},
+                          data=json.dumps({"name": "far", "queries": ["account"], "allowed_ips": ["10.0.0.0/8"]}))
+        far = r.json()["secret"]
+        for key, want in ((local, 200), (far, 401)):
+            # POST is always forwarded to gunicorn; GET may be served by the plane itself
+            r = requests.post(srv.base + "/q/account", headers={"X-API-Key": key, **J},
+                              data=json.dumps({"params": {"aid": 3}}))
+            assert r.status_code == want, r.text
+            assert requests.get(srv.base + "/q/account?aid=3", headers={"X-API-Key": key}).status_code == want
+        # a client cannot claim another address: the plane replaces the header
+        r = requests.post(srv.base + "/q/account", headers={"X-API-Key": far, "X-Qag-Client-Addr": "10.1.1.1", **J},
+                          data=json.dumps({"params": {"aid": 3}}))
+        assert r.status_code == 401
+    finally:
+        srv.stop()
