@@ -58,6 +58,17 @@ def plane_binary() -> str | None:
     return here if os.path.exists(here) else None
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the arbiter dies, even by SIGKILL (Linux PR_SET_PDEATHSIG),
+    so no recorder, watcher or plane outlives its instance."""
+    try:
+        import ctypes
+        import signal
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass
+
+
 class Child:
     """A supervised child process: restarted with backoff (0.2 s doubling to 10 s; reset after 30 s alive)."""
 
@@ -72,7 +83,7 @@ class Child:
         self.next_start = 0.0
 
     def spawn(self) -> None:
-        self.proc = subprocess.Popen(self.cmd, env=self.env, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
         self.started = time.monotonic()
 
     def check(self) -> None:

@@ -380,3 +380,15 @@ def test_allowed_ips_hold_for_calls_the_plane_forwards(pgbench_dsn):
         assert r.status_code == 401
     finally:
         srv.stop()
+
+
+def test_children_do_not_outlive_a_killed_arbiter():
+    srv = start_server()
+    kids = [p for p in children(arbiter_pid(srv)) if title(p) in ("qag: recorder", "qag: changes")]
+    assert len(kids) == 2
+    os.kill(arbiter_pid(srv), signal.SIGKILL)
+    srv.proc.wait(10)
+    deadline = time.time() + 20
+    while time.time() < deadline and any(os.path.exists(f"/proc/{p}") and "qag" in title(p) for p in kids):
+        time.sleep(0.2)
+    assert not [p for p in kids if os.path.exists(f"/proc/{p}") and "qag" in title(p)]
