@@ -156,7 +156,13 @@ class Bench:
         b1 = H.system_busy()
         gw1, db1 = target.ticks(s1), H.comm_ticks(self.db_comms, s1)
         gw = H.delta_seconds(gw0, gw1)
+        # per process of the gateway (arbiter, workers, recorder, plane), by process title: where CPU goes
+        by_proc = {}
+        for pid, ticks in gw1.items():
+            name = s1[pid][1] if pid in s1 else str(pid)
+            by_proc[name] = round(by_proc.get(name, 0) + (ticks - gw0.get(pid, 0)) / H.CLK_TCK, 3)
         r.update({
+            'gw_cpu_by_proc': by_proc,
             'gw_cpu_s': round(gw, 3), 'gw_cores': round(gw / max(r['duration_s'], 1e-9), 3),
             'db_cpu_s': round(H.delta_seconds(db0, db1), 3),
             'calls_per_gw_cpu_s': round(r['n'] / gw, 1) if gw > 0 else None,
