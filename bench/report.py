@@ -117,6 +117,9 @@ class Report:
                + ', '.join(f'{b} {num(d, 1)}' for b, d in durs.items()) + ' (after a warm-up at 8 callers). '
                f'qag commit: {", ".join(c[:10] + ("+dirty" if c.endswith("+dirty") else "") for c in commits) or "-"}; '
                f'peer: queryapigate {self.rows[0].get("peer_version", "0.43.0")} from PyPI.\n')
+        if getattr(self, 'left_out', None):
+            self.w('Left out of this report (rerun later in the session): ' + ', '.join(self.left_out) + '; their '
+                   'lines stay in results.jsonl.\n')
         if any(r.get('smoke') for r in self.rows):
             self.w('**Smoke runs included: durations of ~2 s, figures are not measurements.**\n')
 
@@ -427,13 +430,23 @@ def main():
     p.add_argument('results', nargs='+')
     p.add_argument('--out', default=None, help='directory for results.md and the charts (default: beside the first)')
     p.add_argument('--session', default=None, help='only this session id')
+    p.add_argument('--exclude', action='append', default=[], metavar='SESSION:BLOCK',
+                   help='leave out one block of one session (e.g. a block rerun because the machine was busy); '
+                        'the report lists what it left out')
     opts = p.parse_args()
     rows = load(opts.results, opts.session)
+    excluded = {tuple(e.split(':', 1)) for e in opts.exclude}
+    left_out = [r for r in rows if (r['session'], r['block']) in excluded
+                or (r['session'], r.get('around')) in excluded]
+    rows = [r for r in rows if r not in left_out]
     if not rows:
         sys.exit('no runs in ' + ', '.join(opts.results))
     outdir = opts.out or os.path.dirname(os.path.abspath(opts.results[0]))
     os.makedirs(outdir, exist_ok=True)
-    md = Report(rows, outdir).build()
+    rep = Report(rows, outdir)
+    rep.left_out = [f'{e} ({sum(1 for r in left_out if (r["session"], r["block"]) == tuple(e.split(":", 1)) or (r["session"], r.get("around")) == tuple(e.split(":", 1)))} runs)'
+                    for e in opts.exclude]
+    md = rep.build()
     path = os.path.join(outdir, 'results.md')
     with open(path, 'w') as f:
         f.write(md)
