@@ -2,16 +2,24 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: test venv lint vectors bench-smoke docs
+.PHONY: test venv lint vectors bench-smoke docs oha
 
 venv:
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[server,postgres,mysql,clickhouse,dev]'
 
+OHA_VERSION := 1.16.0
+
 test: venv
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests/ -q -p no:cacheprovider
 	if [ -f rustplane/Cargo.toml ] && command -v cargo >/dev/null; then cd rustplane && cargo test --release -q; fi
+	$(MAKE) bench-smoke
+
+# The benchmark harness's smoke run: every block for a few seconds against the peer, qag, the plane and the
+# floors; it checks completion and zero non-2xx, never speed. oha is the load generator (crates.io).
+oha:
+	command -v oha >/dev/null || test -x $(HOME)/.cargo/bin/oha || cargo install oha --locked --version $(OHA_VERSION)
 
 lint: venv
 	$(VENV)/bin/ruff check qag shm tests
@@ -22,6 +30,6 @@ vectors: venv
 docs: venv
 	$(PY) -m qag.config
 
-bench-smoke: venv
-	$(PY) bench/oltp.py --smoke
-	$(PY) bench/tpcc_mysql.py --smoke
+bench-smoke: venv oha
+	PATH="$(CURDIR)/$(VENV)/bin:$(HOME)/.cargo/bin:$$PATH" $(PY) bench/oltp.py --smoke
+	PATH="$(CURDIR)/$(VENV)/bin:$(HOME)/.cargo/bin:$$PATH" $(PY) bench/tpcc_mysql.py --smoke
