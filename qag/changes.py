@@ -33,7 +33,9 @@ class ChangeWatcher(threading.Thread):
         self.stop = stop
         rows = store.changes_since(0, 1_000_000_000)
         self.last = rows[-1][0] if rows else 0
-        self.seen: dict[int, float] = {}
+        # what was committed before this watcher started is already in every generation it could affect
+        now = time.monotonic()
+        self.seen: dict[int, float] = {r[0]: now for r in rows[-LOOKBACK:]}
         self.applied = 0
 
     def apply(self) -> None:
