@@ -114,6 +114,20 @@ class Server:
                 self.proc.wait(5)
 
 
+_STARTED: list = []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_every_server():
+    """A test that fails before its own stop() must not leave a qag instance running."""
+    yield
+    for srv in _STARTED:
+        try:
+            srv.stop(timeout=10)
+        except Exception:
+            pass
+
+
 def start_server(env_extra: dict | None = None, args=("--workers", "2"), wait=True) -> Server:
     import requests
     port = free_port()
@@ -127,6 +141,7 @@ def start_server(env_extra: dict | None = None, args=("--workers", "2"), wait=Tr
     proc = subprocess.Popen([sys.executable, "-m", "qag.cli", "serve", *args], env=env, stdout=logf,
                             stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
     srv = Server(proc, f"http://127.0.0.1:{port}", env, log_path)
+    _STARTED.append(srv)
     if not wait:
         return srv
     deadline = time.time() + 30
