@@ -245,12 +245,7 @@ class PostgresConnector(Connector):
         def gen():
             broken = False
             try:
-                yield first
-                while True:
-                    chunk = cur.fetchmany(batch)
-                    if not chunk:
-                        break
-                    yield chunk
+                yield from _batches(cur, first, batch)
             except BaseException:
                 broken = True
                 raise
@@ -379,12 +374,7 @@ class MySQLConnector(Connector):
         def gen():
             broken = False
             try:
-                yield first
-                while True:
-                    chunk = cur.fetchmany(batch)
-                    if not chunk:
-                        break
-                    yield chunk
+                yield from _batches(cur, first, batch)
             except BaseException:
                 broken = True
                 raise
@@ -482,12 +472,7 @@ class SQLiteConnector(Connector):
 
         def gen():
             try:
-                yield first
-                while True:
-                    chunk = cur.fetchmany(batch)
-                    if not chunk:
-                        break
-                    yield chunk
+                yield from _batches(cur, first, batch)
             finally:
                 cur.close()
                 conn.set_progress_handler(None, 0)
@@ -584,6 +569,16 @@ def make(row: dict, password: str | None, cfg) -> Connector:
     cls = CONNECTORS[row["db"]]
     return cls(row, password, timeout=cfg.query_timeout, connect_timeout=cfg.connect_timeout,
                pool_size=cfg.pool_size, home=cfg.home)
+
+
+def _batches(cur, first: list, batch: int):
+    """A streamed result in batches: the one fetched before the response started, then the rest."""
+    yield first
+    while True:
+        chunk = cur.fetchmany(batch)
+        if not chunk:
+            return
+        yield chunk
 
 
 def _first_line(exc: BaseException, password: str | None) -> str:
