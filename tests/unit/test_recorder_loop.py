@@ -73,7 +73,8 @@ class ObservedStore(SqlRunStore):
         return out
 
     def request_ids(self):
-        return [r[0] for r in self._read("SELECT request_id FROM qag_events ORDER BY event_id")]
+        # the event stream: every run, each in qag_history or qag_events (written once)
+        return [e["request_id"] for e in self.events_after(0, limit=100_000)]
 
 
 def fill(source, per_ring, prefix="r"):
