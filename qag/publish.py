@@ -55,9 +55,12 @@ def _spec(s) -> dict:
             "max_length": s.max_length, "pattern": s.pattern}
 
 
-def connection_entry(row: dict, gen: int) -> dict:
+def connection_entry(row: dict, gen: int, connect_timeout: float | None = None) -> dict:
+    """What the plane needs to open the sessions Python's connector opens (PostgreSQL and MySQL/MariaDB:
+    qag/connectors.py); `connect_timeout` is cfg.connect_timeout (the query time limit is in each plan)."""
     return {"db": row["db"], "host": row["host"], "port": row["port"], "user": row["user"],
-            "database": row["database"], "options": row["options"] or {}, "active": bool(row["active"]), "gen": gen}
+            "database": row["database"], "options": row["options"] or {}, "active": bool(row["active"]), "gen": gen,
+            "connect_timeout": connect_timeout}
 
 
 def plan_cache_key(key_name: str, query: str) -> bytes:
@@ -90,7 +93,8 @@ class Publisher:
         finally:
             os.close(fd)
         os.replace(tmp, path)
-        self.seg.cache_put(b"c:" + row["name"].encode(), _pack(connection_entry(row, gen)))
+        self.seg.cache_put(b"c:" + row["name"].encode(),
+                           _pack(connection_entry(row, gen, getattr(self.cfg, "connect_timeout", None))))
 
     def get(self, cache_key: bytes) -> dict | None:
         raw = self.seg.cache_get(cache_key)

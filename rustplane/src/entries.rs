@@ -326,6 +326,8 @@ pub struct ConnEntry {
     pub user: Option<String>,
     pub database: Option<String>,
     pub options: BTreeMap<String, String>,
+    /// cfg.connect_timeout in seconds (publish.py; absent from older publishers: 3 s).
+    pub connect_timeout: f64,
     pub gen: u64,
 }
 
@@ -358,18 +360,20 @@ impl ConnEntry {
                 options.insert(k.as_str()?.to_string(), text);
             }
         }
+        let db = v.get("db")?.as_str()?.to_string();
         let port = match v.get("port") {
-            None | Some(Value::Nil) => 5432,
+            None | Some(Value::Nil) => if db == "mysql" || db == "mariadb" { 3306 } else { 5432 },
             Some(p) => u16::try_from(p.as_i64().or_else(|| p.as_str().and_then(|s| s.parse().ok()))?).ok()?,
         };
         Some(ConnEntry {
             name: String::from_utf8(key.strip_prefix(b"c:")?.to_vec()).ok()?,
-            db: v.get("db")?.as_str()?.to_string(),
+            db,
             host: s("host").unwrap_or_else(|| "127.0.0.1".into()),
             port,
             user: s("user"),
             database: s("database"),
             options,
+            connect_timeout: v.get("connect_timeout").and_then(Value::as_f64).filter(|t| *t > 0.0).unwrap_or(3.0),
             gen,
         })
     }

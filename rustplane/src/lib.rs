@@ -6,8 +6,12 @@
 //! every call. Every security decision is Python's: the plane only applies decisions already made
 //! (key active / expiry / allowed IPs, plan, masking transforms) and forwards to gunicorn, unchanged,
 //! everything it cannot answer byte-for-byte as Python would (other routes, POST, administrators,
-//! writes, streaming, `version`/`timeout`, unknown or stale entries, rate-limited keys, non-PostgreSQL
-//! connections, column types it does not render, connection failures).
+//! writes, streaming, `version`/`timeout`, unknown or stale entries, rate-limited keys, SQLite and
+//! ClickHouse connections, column types it does not render, connection failures).
+//!
+//! It reads PostgreSQL (tokio-postgres) and MySQL/MariaDB (mysql_async) itself: per-thread pools of
+//! read-only sessions set up as qag/connectors.py sets up Python's, prepared statements, and values decoded
+//! into what psycopg2 / mysql-connector-python would return, so render.py's bytes come out.
 //!
 //! Each served call is recorded in the plane's own ring (a run record identical to
 //! `qag/runrecord.py`'s, `served_by = "plane"`) and counted in its own counter slot, so the recorder
@@ -15,11 +19,12 @@
 //!
 //! Modules: [`sys`] (every `unsafe`), [`segment`] (the layout), [`msgpack`], [`entries`] (published
 //! entries), [`params`] (options, binding, error bodies), [`render`], [`mask`], [`pyfmt`] (Python's text
-//! forms), [`pg`] (PostgreSQL sessions and value decoding), [`server`] (HTTP, forwarding, the request path).
+//! forms), [`pg`] (PostgreSQL sessions and value decoding), [`mysql`] (MySQL/MariaDB sessions and value decoding), [`server`] (HTTP, forwarding, the request path).
 
 pub mod entries;
 pub mod mask;
 pub mod msgpack;
+pub mod mysql;
 pub mod params;
 pub mod pg;
 pub mod pyfmt;

@@ -197,11 +197,18 @@ pub fn numeric_texts(b: &[u8]) -> Option<(String, String)> {
         i += 1;
     }
     frac.truncate(dscale);
-    let neg = sign == 0x4000;
-    let text = decimal_str(neg, &int_part, &frac);
+    decimal_texts(sign == 0x4000, &int_part, &frac)
+}
+
+/// A decimal of sign, integer digits (no leading zeros, "0" for none) and fractional digits, as
+/// (str(Decimal), what render.py prints: an int when integral and below 2**63, else the float's repr).
+/// None when the float is not finite.
+pub fn decimal_texts(neg: bool, int_part: &str, frac: &str) -> Option<(String, String)> {
+    let text = decimal_str(neg, int_part, frac);
     let integral = frac.bytes().all(|c| c == b'0');
     let num = if integral {
-        let v: i128 = int_part.parse().ok()?;
+        // more than 38 digits cannot be below 2**63 anyway
+        let v: i128 = if int_part.len() <= 38 { int_part.parse().ok()? } else { i128::MAX };
         if v < (1i128 << 63) {
             let v = if neg { -v } else { v };
             v.to_string()
@@ -217,7 +224,6 @@ pub fn numeric_texts(b: &[u8]) -> Option<(String, String)> {
     };
     Some((text, num))
 }
-
 
 /// One binary value as psycopg2 would return it; None when the plane cannot reproduce it exactly.
 pub fn decode(ty: &Type, raw: Option<&[u8]>) -> Option<Cell> {
@@ -304,7 +310,7 @@ pub struct Pool {
 }
 
 /// Sessions per plane thread and connection: QAG_POOL_SIZE (default 8), as each Python worker keeps.
-fn pool_cap() -> usize {
+pub fn pool_cap() -> usize {
     std::env::var("QAG_POOL_SIZE").ok().and_then(|v| v.parse().ok()).filter(|n| *n > 0).unwrap_or(8)
 }
 

@@ -6,6 +6,7 @@ use crate::entries::{ConnEntry, KeyEntry, PlanEntry, PlanLookup};
 use crate::mask::{self, Action};
 use crate::msgpack::Enc;
 use crate::params::{self, ApiError, Format, Outcome};
+use crate::mysql;
 use crate::pg::{self, ExecError, Lease, SessionSpec};
 use crate::render;
 use crate::segment::{Segment, KIND_COUNTER, KIND_HISTOGRAM};
@@ -18,6 +19,7 @@ use hyper_util::rt::TokioIo;
 use sha2::{Digest, Sha256};
 use std::cell::{Cell as StdCell, RefCell};
 use std::collections::HashMap;
+use std::rc::Rc;
 use std::convert::Infallible;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -93,7 +95,8 @@ fn now_us() -> i64 {
 
 thread_local! {
     static RNG: StdCell<u64> = StdCell::new(seed());
-    static UPSTREAM: RefCell<Vec<hyper::client::conn::http1::SendRequest<Incoming>>> = const { RefCell::new(Vec::new()) };
+    /// Kept-alive connections to gunicorn with the time each went idle.
+    static UPSTREAM: RefCell<Vec<(hyper::client::conn::http1::SendRequest<Incoming>, Instant)>> = const { RefCell::new(Vec::new()) };
     static PASSWORDS: RefCell<HashMap<String, (u64, Option<String>)>> = RefCell::new(HashMap::new());
 }
 
@@ -319,7 +322,12 @@ async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Option<IpAddr>)
         PlanLookup::Hit(p) => p,
         _ => return Decision::Forward("no current plan entry"),
     };
-    if plan.dialect != "postgres" || plan.is_write || plan.paged_sql(1, 1).is_none() || plan.cache_ttl
+    let dialect = match plan.dialect.as_str() {
+        "postgres" => Dialect::Postgres,
+        "mysql" => Dialect::Mysql,
+        _ => return Decision::Forward("dialect"),
+    };
+    if plan.is_write || plan.paged_sql(1, 1).is_none() || plan.cache_ttl
         || (plan.transforms.is_some() && !plan.names_published)
     {
         return Decision::Forward("plan not servable (dialect, write, paging)");
@@ -328,8 +336,12 @@ async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Option<IpAddr>)
         return Decision::Forward("hash without a mask key");
     }
     let Some(conn) = ConnEntry::load(&sh.seg, &plan.connection) else { return Decision::Forward("no current connection entry") };
-    if conn.db != "postgres" || conn.options.contains_key("sslmode") {
-        return Decision::Forward("connection not plain postgres");
+    match dialect {
+        Dialect::Postgres if conn.db != "postgres" || conn.options.contains_key("sslmode") => {
+            return Decision::Forward("connection not plain postgres");
+        }
+        Dialect::Mysql if conn.db != "mysql" => return Decision::Forward("connection not mysql"),
+        _ => {}
     }
     let Some(password) = password_for(&sh.home, &conn) else { return Decision::Forward("connection password unreadable") };
     let password = password.filter(|p| !p.is_empty());
@@ -364,67 +376,23 @@ async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Option<IpAddr>)
     }
     let t = stage(&mut stages, "bind", t);
     let Some(sql) = plan.paged_sql(opts.page, opts.page_size) else { return Decision::Forward("paging mode") };
-    let spec = SessionSpec { conn, password, timeout_ms: (plan.query_timeout * 1000.0) as u64 };
-    let pool = pg::pool_for(&spec);
-    let Ok(mut lease) = Lease::get(pool).await else { return Decision::Forward("cannot connect") };
-    let typed: Vec<tokio_postgres::types::Type> = plan.arg_names.iter()
-        .map(|n| plan.specs.iter().find(|s| s.name == *n).map_or(tokio_postgres::types::Type::TEXT, |s| pg::literal_type(s.ty)))
-        .collect();
-    let st = match lease.prepare(&sql, &typed).await {
-        Ok(st) => st,
-        Err(_) => {
-            lease.release(); // kept only if the session is still open
-            return Decision::Forward("prepare failed");
-        }
+    let executed = match dialect {
+        Dialect::Postgres => execute_pg(&plan, conn, password, &sql, &bound, opts.format).await,
+        Dialect::Mysql => execute_mysql(&plan, conn, password, &sql, &bound).await,
     };
-    // Decide everything that could make the answer differ from Python's before executing.
-    let tz_utc = lease.tz_utc();
-    if st.columns().iter().any(|c| !pg::column_supported(c.type_(), tz_utc))
-        || (opts.format == Format::Csv && st.columns().iter().any(|c| pg::is_json(c.type_())))
-        || plan.transforms.as_ref().is_some_and(|t| t.len() != st.columns().len())
-        || st.params().len() != bound.len()
-    {
-        lease.release();
-        return Decision::Forward("result shape or types");
-    }
-    let mut args = Vec::with_capacity(bound.len());
-    for (ty, v) in st.params().iter().zip(&bound) {
-        match pg::arg_for(ty, v) {
-            Some(a) => args.push(a),
-            None => {
-                lease.release();
-                return Decision::Forward("parameter type");
-            }
-        }
-    }
-    let columns: Vec<String> = st.columns().iter().map(|c| c.name().to_string()).collect();
-    if !plan.names_match(&columns) {
-        lease.release();
-        return Decision::Forward("masked names differ");
-    }
-    let result = lease.query(&st, &args).await;
     let t1 = stage(&mut stages, "execute", t);
     let query_seconds = (t1 - t).as_secs_f64();
-    let rows = match result {
-        Ok(rows) => {
-            lease.release();
-            rows
-        }
-        Err(ExecError::Timeout) => {
-            lease.release();
-            return fail(run, params::timeout_error(plan.query_timeout), Some(true), None).await;
-        }
-        Err(ExecError::Rejected) => {
-            lease.release();
-            return fail(run, ApiError::new(500, "query_failed", QUERY_FAILED), Some(true), None).await;
-        }
-        Err(ExecError::Forward(why)) => {
-            if why == "connection lost" {
-                lease.discard();
-            }
-            return Decision::Forward("execution: connection or value");
-        }
+    let (columns, rows) = match executed {
+        Ok(x) => x,
+        Err(Exec::Forward(why)) => return Decision::Forward(why),
+        Err(Exec::Fail(e)) => return fail(run, e, Some(true), None).await,
     };
+    if !plan.names_match(&columns) || plan.transforms.as_ref().is_some_and(|t| t.len() != columns.len()) {
+        return Decision::Forward("masked names differ");
+    }
+    if opts.format == Format::Csv && rows.iter().any(|r| r.iter().any(|c| matches!(c, crate::render::Cell::Json(_)))) {
+        return Decision::Forward("CSV of a JSON value");
+    }
     let (columns, mut rows) = match &plan.transforms {
         None => (columns, rows),
         Some(acts) => match mask::apply(acts, sh.mask_key.as_deref().unwrap_or(b""), columns, rows) {
@@ -466,12 +434,102 @@ async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Option<IpAddr>)
     Decision::Answer(r)
 }
 
+#[derive(Clone, Copy, PartialEq)]
+enum Dialect {
+    Postgres,
+    Mysql,
+}
+
+/// How executing went when it did not give rows: forward to Python, or answer this error.
+enum Exec {
+    Forward(&'static str),
+    Fail(ApiError),
+}
+
+type Rows = (Vec<String>, Vec<Vec<crate::render::Cell>>);
+
+fn exec_error(e: ExecError, plan: &PlanEntry) -> Exec {
+    match e {
+        ExecError::Timeout => Exec::Fail(params::timeout_error(plan.query_timeout)),
+        ExecError::Rejected => Exec::Fail(ApiError::new(500, "query_failed", QUERY_FAILED)),
+        ExecError::Forward(_) => Exec::Forward("execution: connection or value"),
+    }
+}
+
+/// PostgreSQL: everything that could make the answer differ from Python's is decided from the prepared
+/// statement before executing.
+async fn execute_pg(plan: &PlanEntry, conn: Rc<ConnEntry>, password: Option<String>, sql: &str, bound: &[params::PVal],
+                    format: Format) -> Result<Rows, Exec> {
+    let spec = SessionSpec { conn, password, timeout_ms: (plan.query_timeout * 1000.0) as u64 };
+    let pool = pg::pool_for(&spec);
+    let Ok(mut lease) = Lease::get(pool).await else { return Err(Exec::Forward("cannot connect")) };
+    let typed: Vec<tokio_postgres::types::Type> = plan.arg_names.iter()
+        .map(|n| plan.specs.iter().find(|s| s.name == *n).map_or(tokio_postgres::types::Type::TEXT, |s| pg::literal_type(s.ty)))
+        .collect();
+    let Ok(st) = lease.prepare(sql, &typed).await else { return Err(Exec::Forward("prepare failed")) };
+    let tz_utc = lease.tz_utc();
+    if st.columns().iter().any(|c| !pg::column_supported(c.type_(), tz_utc))
+        || (format == Format::Csv && st.columns().iter().any(|c| pg::is_json(c.type_())))
+        || plan.transforms.as_ref().is_some_and(|t| t.len() != st.columns().len())
+        || st.params().len() != bound.len()
+    {
+        return Err(Exec::Forward("result shape or types"));
+    }
+    let mut args = Vec::with_capacity(bound.len());
+    for (ty, v) in st.params().iter().zip(bound) {
+        args.push(pg::arg_for(ty, v).ok_or(Exec::Forward("parameter type"))?);
+    }
+    let columns: Vec<String> = st.columns().iter().map(|c| c.name().to_string()).collect();
+    if !plan.names_match(&columns) {
+        return Err(Exec::Forward("masked names differ"));
+    }
+    match lease.query(&st, &args).await {
+        Ok(rows) => Ok((columns, rows)),
+        Err(ExecError::Forward(why)) => {
+            if why == "connection lost" {
+                lease.discard();
+            }
+            Err(Exec::Forward("execution: connection or value"))
+        }
+        Err(e) => Err(exec_error(e, plan)),
+    }
+}
+
+/// MySQL/MariaDB: the prepared statement's metadata rules out what the plane cannot render before
+/// executing; the result's own columns decide again (a read executed twice costs time, never a wrong answer).
+async fn execute_mysql(plan: &PlanEntry, conn: Rc<ConnEntry>, password: Option<String>, sql: &str,
+                       bound: &[params::PVal]) -> Result<Rows, Exec> {
+    let mut args = Vec::with_capacity(bound.len());
+    for v in bound {
+        args.push(mysql::arg_for(v).ok_or(Exec::Forward("parameter type"))?);
+    }
+    let spec = mysql::SessionSpec { conn, password, timeout: plan.query_timeout };
+    let pool = mysql::pool_for(&spec);
+    let Ok(mut lease) = mysql::Lease::get(pool).await else { return Err(Exec::Forward("cannot connect")) };
+    let st = lease.prepare(sql).await.map_err(|_| Exec::Forward("prepare failed"))?;
+    if st.num_params() as usize != args.len()
+        || !st.columns().iter().all(mysql::column_supported)
+        || plan.transforms.as_ref().is_some_and(|t| t.len() != st.columns().len())
+    {
+        return Err(Exec::Forward("result shape or types"));
+    }
+    match lease.query(&st, args).await {
+        Ok(x) => Ok(x),
+        Err(ExecError::Forward(_)) => Err(Exec::Forward("execution: connection or value")),
+        Err(e) => Err(exec_error(e, plan)),
+    }
+}
+
 async fn upstream_sender(up: &Upstream, fresh: bool) -> std::io::Result<hyper::client::conn::http1::SendRequest<Incoming>> {
     let reused = if fresh { None } else { UPSTREAM.with(|p| {
         let mut pool = p.borrow_mut();
-        pool.retain(|s| !s.is_closed());
-        let i = pool.iter().position(|s| s.is_ready())?;
-        Some(pool.swap_remove(i))
+        // gunicorn closes a kept-alive connection after `keepalive` seconds (qag: 5, gunicorn's default: 2);
+        // one idle nearly that long may close while our request is on its way (a 502): not reused
+        let now = Instant::now();
+        pool.retain(|(s, idle)| !s.is_closed() && now.duration_since(*idle) < UPSTREAM_IDLE);
+        // the most recently used first: its socket and gunicorn's thread for it are warm
+        let i = pool.iter().rposition(|(s, _)| s.is_ready())?;
+        Some(pool.swap_remove(i).0)
     }) };
     if let Some(s) = reused {
         return Ok(s);
@@ -496,6 +554,9 @@ async fn upstream_sender(up: &Upstream, fresh: bool) -> std::io::Result<hyper::c
         }
     })
 }
+
+/// Longest idle time of a kept-alive gunicorn connection the plane reuses (below gunicorn's keepalive).
+const UPSTREAM_IDLE: Duration = Duration::from_millis(1500);
 
 const HOP: [&str; 3] = ["connection", "keep-alive", "proxy-connection"];
 
@@ -526,7 +587,7 @@ pub async fn forward(up: &Upstream, mut req: Request<Incoming>, peer: Option<IpA
         UPSTREAM.with(|p| {
             let mut pool = p.borrow_mut();
             if pool.len() < 256 && !sender.is_closed() {
-                pool.push(sender);
+                pool.push((sender, Instant::now()));
             }
         });
         match resp {
