@@ -46,6 +46,11 @@ _ROW_HEAD = struct.Struct(">BQBHBQ").pack
 _DEDUP = {"deduplicate_blocks_in_dependent_materialized_views": 1, "parallel_view_processing": 1,
           "optimize_on_insert": 0}
 _packb = msgpack.Packer(use_bin_type=True, autoreset=True).pack
+# Most rows in one insert: one block (an insert is parsed in blocks of max_block_size, 65,505 rows),
+# so one deduplication token, which recover()'s replay (one block too, see its settings) must match.
+# Without both, replaying the last batch wrote it twice whenever it held over ~10,000 runs (seen on
+# chDB 26.9); a larger batch goes as several inserts, as one spanning midnight does.
+_MAX_INSERT_ROWS = 64_000
 _RECORD_HEAD = bytes([0x90 | NFIELDS, VERSION])  # fixarray(15), v = 1
 
 
@@ -200,7 +205,10 @@ class ClickHouseRunStore:
                 f"INSERT INTO qag_events ({cols}) SELECT {cols} FROM qag_events "
                 f"WHERE src = {_q(source)} AND batch = {batch} ORDER BY event_id",
                 settings={**_DEDUP, "insert_deduplication_token": f"{source}:{batch}",
-                          "max_threads": 1, "max_insert_threads": 1})
+                          "max_threads": 1, "max_insert_threads": 1,
+                          # one block, as the insert it replays was, or the token does not match
+                          "max_block_size": _MAX_INSERT_ROWS, "preferred_block_size_bytes": 1 << 40,
+                          "min_insert_block_size_rows": _MAX_INSERT_ROWS, "min_insert_block_size_bytes": 1 << 40})
         if self.clock is None:
             self.clock = self._new_clock()
         return int(rows[0][0]) if rows else None
@@ -243,7 +251,8 @@ class ClickHouseRunStore:
         split = n
         if (last >> SEQ_BITS) // MS_PER_DAY != day_first:
             split = -(-((((day_first + 1) * MS_PER_DAY) << SEQ_BITS) - first) // stride)
-        for lo, hi in ((0, split), (split, n)):
+        bounds = sorted({0, split, n} | set(range(_MAX_INSERT_ROWS, n, _MAX_INSERT_ROWS)))
+        for lo, hi in zip(bounds, bounds[1:]):
             if lo >= hi:
                 continue
             bfirst = first + lo * stride

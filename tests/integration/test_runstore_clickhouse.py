@@ -38,6 +38,20 @@ def recs(n, start=0, slot=0, status=200):
                                               request_id=f"r{start + i}")) for i in range(n)]
 
 
+@pytest.mark.parametrize("n", [20_000, 66_000])
+def test_replaying_a_large_last_batch_writes_nothing(ch, n):
+    """A restarted recorder replays its last insert (recover()): with the default read and insert
+    block sizes a batch above ~10,000 runs was replayed in several blocks whose tokens did not match
+    the insert's, and written twice. 66,000 runs also goes as two inserts (one block each at most)."""
+    store = ch()
+    batch = store.prepare("src", chunks_of(recs(n)))
+    assert len(batch.inserts) == (1 if n <= 64_000 else 2)
+    store.commit(batch)
+    again = ch()  # a new recorder: positions() replays the last insert
+    assert again.positions("src") == {0: n}
+    assert again.counts() == {"qag_events": n, "qag_history": n, "usage_calls": n}
+
+
 def test_a_retried_insert_lands_once(ch):
     store = ch()
     batch = store.prepare("src", chunks_of(recs(1000)))
