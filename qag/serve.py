@@ -74,7 +74,7 @@ class QagGunicorn(BaseApplication):
         s("bind", [qcfg.bind])
         s("workers", self.nworkers)
         s("threads", qcfg.threads)
-        s("worker_class", "gthread")
+        s("worker_class", "qag.gworker.QagWorker" if qcfg.http_worker == "qag" else "gthread")
         s("proc_name", "qag")
         s("limit_request_line", 0)  # a 1 MB parameter gets our JSON 400, not gunicorn's HTML
         s("limit_request_field_size", 65536)
