@@ -86,6 +86,15 @@ def all_events(store, key=None, page=10_000):
         last = items[-1]["event_id"]
 
 
+def all_history(store):
+    out, cursor = [], None
+    while True:
+        items, cursor = store.history(limit=1000, cursor=cursor)
+        out += items
+        if cursor is None:
+            return out
+
+
 def test_every_run_once_in_events_history_and_usage(loaded):
     _kind, store, _now = loaded
     ev = store.all_events
@@ -254,3 +263,60 @@ def test_sql_record_with_wrong_types_is_dropped_not_fatal(tmp_path):
         assert [e["request_id"] for e in store.events_after(0)] == ["a", "b\tc\\d"]
         assert store.bad_records == 2 and store.positions("s") == {0: 4}
         store.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_sql_each_run_written_once_and_sampled_history_keeps_the_stream_whole(kind, tmp_path):
+    """Each run lands in one table: history when it keeps it (failures always), else qag_events; the
+    event stream reads both, so it still holds every run once, in id order, and usage stays exact."""
+    store = open_store(make_url(kind, str(tmp_path), "qag_rec_test_once"), StoreSettings(history_sample_rate=0.3))
+    store.ensure_schema()
+    now = time.time_ns() // 1000
+    n = 6000
+    for b in range(3):  # three batches: ids and positions continue across them
+        store.write_batch("s", [(i % 2, i + 1, run(i, now)) for i in range(b * 2000, (b + 1) * 2000)])
+    ev = all_events(store, page=700)
+    assert [e["request_id"] for e in ev] == [f"req-{i}" for i in range(n)]
+    failures = {f"req-{i}" for i in range(n) if i % 17 == 0 or i % 29 == 0}
+    hist = {e["request_id"] for e in all_history(store)}
+    assert failures <= hist and 0.2 < (len(hist) - len(failures)) / (n - len(failures)) < 0.4
+    only_events = {r[0] for r in store._read("SELECT request_id FROM qag_events")}
+    assert only_events.isdisjoint(hist) and len(only_events) + len(hist) == n
+    assert store.counts() == {"qag_events": n, "qag_history": len(hist), "usage_calls": n}
+    (day,) = store.usage(per="day", since=now - 86_400_000_000, until=now + 1)
+    assert (day["calls"], day["errors"], day["rows"]) == (n, len(failures), sum(i % 11 for i in range(n)))
+    # a key sees its own runs only, from both tables
+    assert [e["request_id"] for e in all_events(store, key="key2")] == [
+        f"req-{i}" for i in range(n) if KEYS[i % len(KEYS)] == "key2"]
+    store.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_sql_store_of_layout_1_is_migrated_once(kind, tmp_path):
+    """A store written by the layout that copied every run into both tables: ensure_schema() drops the
+    event table's copies of history's runs once, so the stream (which now reads both) repeats none."""
+    url = make_url(kind, str(tmp_path), "qag_rec_test_migrate")
+    store = open_store(url, StoreSettings())
+    store.ensure_schema()
+    now = time.time_ns() // 1000
+    store.write_batch("s", [(0, i + 1, run(i, now)) for i in range(500)])
+    # back to layout 1: every run in qag_events too, no layout mark
+    cols = ("event_id, at_us, key_name, query, version, connection_name, status, code, \"rows\", duration_us, "
+            "bytes, request_id, served_by, transport, route")
+    with store._lock:
+        if store.pg:
+            with store.conn.cursor() as cur:
+                cur.execute(f"INSERT INTO qag_events ({cols}) SELECT {cols} FROM qag_history")
+                cur.execute("DROP TABLE qag_runstore_layout")
+            store.conn.commit()
+        else:
+            store.conn.execute(f"INSERT INTO qag_events ({cols}) SELECT {cols} FROM qag_history")
+            store.conn.execute("DROP TABLE qag_runstore_layout")
+    assert len(all_events(store)) == 1000  # the copies, seen twice before the migration
+    again = open_store(url, StoreSettings())
+    again.ensure_schema()
+    again.ensure_schema()  # idempotent
+    assert [e["request_id"] for e in all_events(again)] == [f"req-{i}" for i in range(500)]
+    assert again.counts() == {"qag_events": 500, "qag_history": 500, "usage_calls": 500}
+    store.close()
+    again.close()
