@@ -19,6 +19,12 @@ in microseconds of CPU per call, and as a share of a worker's CPU per call (--wo
 600: the low end of what the lead's bench measures per PK lookup on this machine; a smaller
 per-call cost makes the share larger, so the low end is the conservative one).
 
+End-to-end A/B (--ab): `qag serve` with one worker pinned to CPU 0 serving the PK lookup of bench/oltp.py
+(pgbench data, plain key) to oha on CPU 1, as shipped (A) and with the worker's ring recorder replaced by a
+no-op in a bench-only launcher (B: qag.worker.RingRecorder.__call__ patched before the arbiter forks; no
+product setting turns recording off). Rounds alternate A and B; the worker's own CPU per call (from /proc,
+by its title) is compared, so the recorder process (its own core in production) and oha's pace don't count.
+
 Results: one JSON line per turn and one summary line per store and for the producer, appended to --out.
 """
 from __future__ import annotations
@@ -140,6 +146,96 @@ def producer_cost(calls: int, rounds: int) -> dict:
         seg.unlink()
 
 
+class _NoRecordQag:
+    """Mixin for bench/targets.Qag: the same `qag serve`, its workers' ring recorder a no-op (bench only)."""
+
+    PATCH = ("import sys, qag.worker as w; w.RingRecorder.__call__ = lambda self, run: True; "
+             "from qag.cli import main; sys.argv[0] = 'qag'; sys.exit(main())")
+
+    def command(self, workers, threads):
+        cmd = super().command(workers, threads)
+        return [sys.executable, "-c", self.PATCH] + cmd[cmd.index("serve"):]
+
+
+def _worker_ticks(target) -> int:
+    """CPU ticks of the target's worker processes (title `qag: worker N ...`)."""
+    total = 0
+    for pid, ticks in target.ticks().items():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                title = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        if title.startswith("qag: worker"):
+            total += ticks
+    return total
+
+
+def _oltp_scale(oltp) -> int | None:
+    """pgbench scale of the OLTP data already there, or None."""
+    try:
+        conn = oltp.pg_connect(oltp.DATA_DB)
+    except Exception:  # noqa: BLE001 - no database yet
+        return None
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT count(*) FROM pgbench_branches")
+            return int(cur.fetchone()[0])
+    except Exception:  # noqa: BLE001 - no schema yet
+        return None
+    finally:
+        conn.close()
+
+
+def ab_worker_cost(rounds: int, duration: float, conns: int = 32) -> dict:
+    """Worker CPU per PK lookup with recording (A) and with the ring recorder a no-op (B)."""
+    import types
+
+    sys.path.insert(0, HERE)
+    import harness as H
+    import oltp
+    import targets as T
+
+    oha = H.find_oha()
+    scale = _oltp_scale(oltp) or 10
+    oltp.ensure_data(scale)  # the lead's data as it is (never re-initialised to another scale here)
+    wl, calls = oltp.workload(scale)
+    call = next(c for c in calls if c.name == "lookup_plain")
+    opts_a = types.SimpleNamespace(gateway_cpus=[0], qag_src=None, store_suffix="_recorder_ab")
+    opts_b = types.SimpleNamespace(gateway_cpus=[0], qag_src=None, store_suffix="_recorder_ab_off")
+    no_rec = type("QagNoRecord", (_NoRecordQag, T.Qag), {})
+    a, b = T.Qag(opts_a, wl), no_rec(opts_b, wl)
+    a.name, b.name = "recording", "no_recording"
+    res: dict[str, list] = {"recording": [], "no_recording": []}
+    rows = []
+    try:
+        for rnd in range(rounds):
+            for t in ([a, b] if rnd % 2 == 0 else [b, a]):
+                t.start(workers=1)
+                url = H.regex_escape_base(t.base) + t.path(call)
+                hdr = t.headers(call)
+                H.run_oha(oha, url, duration=1.0, conns=8, headers=hdr, load_cpus=[1])  # warm-up
+                w0 = _worker_ticks(t)
+                r = H.run_oha(oha, url, duration=duration, conns=conns, headers=hdr, load_cpus=[1])
+                cpu = (_worker_ticks(t) - w0) / H.CLK_TCK
+                us = cpu * 1e6 / max(r["n_2xx"], 1)
+                res[t.name].append(us)
+                rows.append({"round": rnd, "variant": t.name, "calls": r["n"], "ok": r["n_2xx"], "rps": r["rps"],
+                             "worker_cpu_s": round(cpu, 3), "worker_cpu_us_per_call": round(us, 1),
+                             "loadavg_1m": round(os.getloadavg()[0], 2)})
+                print(f"  A/B round {rnd} {t.name:>12}: {r['rps']:>7,.0f} calls/s, worker {us:6.1f} µs CPU per call "
+                      f"(load {os.getloadavg()[0]:.2f})", flush=True)
+    finally:
+        a.stop()
+        b.stop()
+    ma, mb = statistics.median(res["recording"]), statistics.median(res["no_recording"])
+    return {"rounds": rounds, "duration_s": duration, "conns": conns, "turns": rows,
+            "recording_us_per_call": round(ma, 1), "no_recording_us_per_call": round(mb, 1),
+            "recording_min_max": [round(min(res["recording"]), 1), round(max(res["recording"]), 1)],
+            "no_recording_min_max": [round(min(res["no_recording"]), 1), round(max(res["no_recording"]), 1)],
+            "recording_share_pct": round(100 * (ma - mb) / ma, 2)}
+
+
 def summarise(rows: list[dict]) -> dict:
     w = [r["runs_per_s"] for r in rows]
     c = [r["cpu_bound_runs_per_s"] for r in rows]
@@ -165,6 +261,9 @@ def main(argv=None) -> int:
                     help="a worker's CPU per call, to express the producer cost as a share (µs)")
     ap.add_argument("--out", default=DEFAULT_OUT, help="JSON lines appended here")
     ap.add_argument("--smoke", action="store_true", help="one small round per store (< 60 s)")
+    ap.add_argument("--ab", action="store_true", help="also the end-to-end A/B: worker CPU per call, recording on/off")
+    ap.add_argument("--ab-rounds", type=int, default=4)
+    ap.add_argument("--ab-duration", type=float, default=8.0)
     ap.add_argument("--session", default=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     args = ap.parse_args(argv)
     if args.smoke:
@@ -213,6 +312,17 @@ def main(argv=None) -> int:
     print(f"producer: {p['median_us']} µs CPU per recorded call (min {p['min_us']}, max {p['max_us']}; "
           f"{p['record_bytes']} B record) = {p['share_of_worker_cpu_pct']}% of a worker's "
           f"{args.worker_cpu_us:g} µs per call", flush=True)
+    if args.ab:
+        ab = ab_worker_cost(args.ab_rounds, args.ab_duration)
+        emit({"kind": "ab", **ab})
+        p["share_of_measured_worker_cpu_pct"] = round(100 * p["median_us"] / ab["recording_us_per_call"], 3)
+        emit({"kind": "producer_vs_ab", "producer_us": p["median_us"], "worker_us_per_call": ab["recording_us_per_call"],
+              "share_pct": p["share_of_measured_worker_cpu_pct"]})
+        print(f"A/B: worker {ab['recording_us_per_call']} µs CPU per call recording "
+              f"({ab['recording_min_max'][0]}-{ab['recording_min_max'][1]}), {ab['no_recording_us_per_call']} without "
+              f"({ab['no_recording_min_max'][0]}-{ab['no_recording_min_max'][1]}): recording = "
+              f"{ab['recording_share_pct']}% of the worker's CPU per call; the producer's "
+              f"{p['median_us']} µs = {p['share_of_measured_worker_cpu_pct']}% of it", flush=True)
     print(f"results appended to {args.out}")
     out.close()
     return 1 if failed else 0
