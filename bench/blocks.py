@@ -12,7 +12,7 @@ import uuid
 import harness as H
 import targets as T
 
-BLOCKS = ('dbonly', 'throughput', 'latency', 'openloop', 'workers', 'threads', 'recording', 'roundtrips',
+BLOCKS = ('dbonly', 'throughput', 'latency', 'openloop', 'forward', 'workers', 'threads', 'recording', 'roundtrips',
           'profile')
 OPEN_FRACTIONS = (0.25, 0.50, 0.75, 0.90, 1.00, 1.10)
 
@@ -231,6 +231,8 @@ class Bench:
                     if self.dbonly:
                         self.dbonly(self)
                     continue
+                if block == 'forward' and not any(getattr(t, 'plane', False) for t in self.targets):
+                    continue  # measures the plane's forwarding only: no floors around nothing
                 self.health_floor(block, 'before')
                 t0 = time.time()
                 try:
@@ -303,6 +305,42 @@ class Bench:
                     except Exception as exc:  # noqa: BLE001
                         self.fail('openloop', f'{t.name} {frac}', exc)
                 self.rotation += 1
+
+    def block_forward(self):
+        """What the plane adds to a call it forwards: one caller, p50/p99 of GET /health and of an administrator's
+        management GET through the plane vs straight to gunicorn's unix socket behind it, in interleaved rounds
+        (each round both ways, the order alternating), both from the same started instance."""
+        tgts = [t for t in self.targets if getattr(t, 'plane', False)]
+        if not tgts:
+            H.progress('[forward] no qag_plane target: skipped')
+            return
+        t = tgts[0]
+        admin = T.Call('admin_get', None, None, '/api/v1/connections')
+        rounds = max(self.opts.rounds, 3)
+        self.start(t, workers=1)
+        sock = os.path.join(t.home, 'gunicorn.sock')
+        for call in (T.HELLO, admin):
+            headers = {'X-API-Key': t.admin_key} if call is admin else {}
+            ways = {'plane': dict(url=H.regex_escape_base(t.base) + call.path_regex, unix_socket=None),
+                    'direct': dict(url='http://localhost' + call.path_regex, unix_socket=sock)}
+            for w in ways.values():  # warm both paths (kept-alive connections, the worker's caches)
+                H.run_oha(self.oha, w['url'], duration=None, requests=20, conns=1, headers=headers,
+                          load_cpus=self.opts.load_cpus, unix_socket=w['unix_socket'])
+            p50 = {'plane': [], 'direct': []}
+            for rnd in range(rounds):
+                for via in (('plane', 'direct') if rnd % 2 == 0 else ('direct', 'plane')):
+                    w = ways[via]
+                    try:
+                        r = H.run_oha(self.oha, w['url'], duration=max(1.0, self.opts.duration / 2), conns=1,
+                                      headers=headers, load_cpus=self.opts.load_cpus, unix_socket=w['unix_socket'])
+                        r['cpu_busy'] = None
+                        self.record('forward', t, call, rnd, r, via=via, conns=1)
+                        p50[via].append(r['p50_ms'])
+                    except Exception as exc:  # noqa: BLE001
+                        self.fail('forward', f'{via} {call.name}', exc)
+            if p50['plane'] and p50['direct']:
+                H.progress(f'[forward] {call.name}: p50 through the plane {H.med(p50["plane"]):.3f} ms, straight to '
+                           f'gunicorn {H.med(p50["direct"]):.3f} ms: +{H.med(p50["plane"]) - H.med(p50["direct"]):.3f} ms')
 
     def block_workers(self):
         """Workers 1..N (one per gateway CPU by default) at --scale-callers: how each target scales."""
@@ -469,7 +507,8 @@ class Bench:
                    f'{len(unaccounted)} recording mismatches; {len(self.failures)} failures')
         missing = []
         for block in self.opts.blocks:
-            if block in ('dbonly',) or (block == 'roundtrips' and not self.roundtrip_counter):
+            if block in ('dbonly',) or (block == 'roundtrips' and not self.roundtrip_counter) \
+                    or (block == 'forward' and not any(getattr(t, 'plane', False) for t in self.targets)):
                 continue
             if not any(r['block'] == block for r in rows):
                 missing.append(block)

@@ -181,9 +181,10 @@ def regex_escape_base(url):
 
 
 def run_oha(oha, url_regex, *, duration, conns, headers=None, rate=None, load_cpus=None, method='GET',
-            requests=None):
+            requests=None, unix_socket=None):
     """One oha run. Closed loop without rate; open loop (latency corrected) with rate. Returns a dict of
-    throughput, status codes, latency percentiles (ms), and the load generator's own CPU seconds."""
+    throughput, status codes, latency percentiles (ms), and the load generator's own CPU seconds.
+    `unix_socket`: connect there instead of the URL's host (e.g. gunicorn's socket behind the plane)."""
     cmd = taskset_prefix(load_cpus) + [
         oha, '--no-tui', '--output-format', 'json', '-c', str(conns), '-m', method,
         *(['-n', str(requests)] if requests else ['-z', f'{duration}s']),
@@ -192,6 +193,8 @@ def run_oha(oha, url_regex, *, duration, conns, headers=None, rate=None, load_cp
         '--worker-threads', str(max(1, len(load_cpus or []) or os.cpu_count()))]
     if rate:
         cmd += ['-q', str(rate), '--latency-correction']
+    if unix_socket:
+        cmd += ['--unix-socket', unix_socket]
     for k, v in (headers or {}).items():
         cmd += ['-H', f'{k}: {v}']
     cmd.append(url_regex)

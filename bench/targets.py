@@ -283,7 +283,10 @@ class Qag(ManagedGateway):
         return cmd
 
     def env(self):
-        env = {k: v for k, v in os.environ.items() if not k.startswith(('QUERYAPIGATE_', 'QAG_'))}
+        # the caller's QAG_* settings stay out of a measured instance, except the data plane's own knobs
+        # (QAG_PLANE_NICE, QAG_PLANE_BIN…), which a session may set on purpose
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(('QUERYAPIGATE_', 'QAG_')) or k.startswith('QAG_PLANE_')}
         env.update({
             'QAG_HOME': self.home,
             'QAG_ADMIN_KEY': self.admin_key,
