@@ -3,7 +3,8 @@
 //! `qag-plane --listen 127.0.0.1:8080 --upstream unix:/path/gunicorn.sock|127.0.0.1:PORT --segment /qag-xxxx
 //!  --slot N --threads T [--pin-cpus 0,1] --home QAG_HOME`
 //! Environment: QAG_MASK_KEY_FILE (the file's bytes are the HMAC mask key) or QAG_MASK_KEY; QAG_ADMIN_KEY
-//! (requests bearing it are always forwarded); QAG_RECORD_WAIT_MS (default 50).
+//! (requests bearing it are always forwarded); QAG_RECORD_WAIT_MS (default 50); QAG_PLANE_NICE (the
+//! threads' nice value, default unchanged).
 
 use qag_plane::segment::Segment;
 use qag_plane::server::{run_thread, Shared, Upstream, DRAINING, INFLIGHT};
@@ -117,6 +118,9 @@ fn main() -> ExitCode {
         args.slot
     );
     sys::block_stop_signals(); // before the threads start: they inherit the mask
+    // QAG_PLANE_NICE: the plane threads' nice value. They share their cores with the recorder and the
+    // workers; a negative value lets a call waking the plane preempt their batches at once (tail latency).
+    let nice = std::env::var("QAG_PLANE_NICE").ok().and_then(|v| v.trim().parse::<i32>().ok());
     let mut handles = Vec::new();
     for i in 0..args.threads {
         let sh = shared.clone();
@@ -126,6 +130,11 @@ fn main() -> ExitCode {
             if let Some(c) = cpu {
                 if !sys::pin_thread(c) {
                     eprintln!("qag-plane: could not pin thread {i} to CPU {c}");
+                }
+            }
+            if let Some(n) = nice {
+                if !sys::set_thread_nice(n) {
+                    eprintln!("qag-plane: could not set thread {i}'s nice value to {n}");
                 }
             }
             if let Err(e) = run_thread(sh, listen) {

@@ -558,6 +558,9 @@ async fn upstream_sender(up: &Upstream, fresh: bool) -> std::io::Result<hyper::c
 /// Longest idle time of a kept-alive gunicorn connection the plane reuses (below gunicorn's keepalive).
 const UPSTREAM_IDLE: Duration = Duration::from_millis(1500);
 
+/// Forwarded answers up to this length are read whole before they are written to the caller.
+const FORWARD_BUFFER_MAX: u64 = 256 * 1024;
+
 const HOP: [&str; 3] = ["connection", "keep-alive", "proxy-connection"];
 
 /// Forward a request unchanged (hop-by-hop headers aside; the caller's address in X-Qag-Client-Addr).
@@ -594,6 +597,18 @@ pub async fn forward(up: &Upstream, mut req: Request<Incoming>, peer: Option<IpA
             Ok(mut r) => {
                 for n in HOP {
                     r.headers_mut().remove(n);
+                }
+                // gunicorn writes the head and the body separately: a small answer is read whole and written
+                // to the caller in one write (one wake-up and one packet fewer on each side); anything
+                // without a length (streams, /events) or large goes through as it comes
+                let small = r.headers().get(hyper::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.parse::<u64>().ok()).is_some_and(|n| n <= FORWARD_BUFFER_MAX);
+                if small {
+                    let (parts, body) = r.into_parts();
+                    return match http_body_util::BodyExt::collect(body).await {
+                        Ok(c) => Response::from_parts(parts, Either::Left(Full::new(c.to_bytes()))),
+                        Err(e) => bad_gateway(&format!("gunicorn's answer broke off: {e}")),
+                    };
                 }
                 return r.map(Either::Right);
             }

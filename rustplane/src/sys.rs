@@ -209,6 +209,16 @@ pub fn pin_thread(cpu: usize) -> bool {
     }
 }
 
+/// Set the calling thread's nice value (Linux: setpriority on a thread id applies to that thread only);
+/// false if the kernel refused (lowering it needs CAP_SYS_NICE or RLIMIT_NICE).
+pub fn set_thread_nice(nice: i32) -> bool {
+    // SAFETY: gettid has no preconditions; setpriority only reads its integer arguments.
+    unsafe {
+        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+        libc::setpriority(libc::PRIO_PROCESS, tid, nice) == 0
+    }
+}
+
 /// True when process `pid` exists (kill(pid, 0) does not fail with ESRCH).
 pub fn pid_exists(pid: i32) -> bool {
     if pid <= 0 {
