@@ -284,15 +284,17 @@ def main(argv=None) -> int:
     try:
         turns: dict[str, list] = {k: [] for k in kinds}
         for rnd in range(args.rounds):
-            order = targets[rnd % len(targets):] + targets[:rnd % len(targets)]
+            k = rnd % max(len(targets), 1)
+            order = targets[k:] + targets[:k]
             for t in order:
                 r = t.turn(args.runs)
                 turns[t.kind].append(r)
                 emit({"kind": "turn", "round": rnd, **r})
                 print(f"  round {rnd} {t.kind:>10}: {r['runs_per_s']:>8,} runs/s wall, "
                       f"{r['cpu_bound_runs_per_s']:>8,} CPU-bound (load {r['loadavg_1m']})", flush=True)
-        print(f"{'store':>10} | {'wall runs/s: median (min-max)':>32} | {'CPU-bound runs/s':>30} | "
-              f"CPU s/100k rec, db | accounted")
+        if targets:
+            print(f"{'store':>10} | {'wall runs/s: median (min-max)':>32} | {'CPU-bound runs/s':>30} | "
+                  f"CPU s/100k rec, db | accounted")
         for t in targets:
             s = summarise(turns[t.kind])
             s.update(t.check())
