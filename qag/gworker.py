@@ -19,6 +19,8 @@ import socket
 import threading
 import time
 
+from gunicorn import util as gutil
+from gunicorn.http import message as gmessage
 from gunicorn.workers import gthread
 from gunicorn.workers.gthread import TConn, ThreadWorker
 
@@ -26,10 +28,52 @@ _EV_CONN = select.EPOLLIN | select.EPOLLONESHOT | select.EPOLLRDHUP
 _STOP = object()
 
 
+def _freeze(cfg) -> None:
+    """gunicorn reads every setting through `Config.__getattr__` (a dict lookup and a call, a dozen times
+    a request). A worker's settings don't change after it forked (a reload forks new workers), so copy
+    each value onto the instance, where a plain attribute lookup finds it first."""
+    for name, setting in cfg.settings.items():
+        cfg.__dict__[name] = setting.get()
+
+
+def _cache_per_worker() -> None:
+    """Two per-request computations with per-worker answers: the Date header (formatted once a second,
+    not once a response) and whether a peer address is in forwarded_allow_ips (parsed by `ipaddress` on
+    every request; the lists are fixed once the worker runs, so the answer per address is too)."""
+    fmt = gutil.http_date
+    last = [0, ""]
+
+    def http_date(timestamp=None):
+        if timestamp is not None:
+            return fmt(timestamp)
+        now = int(time.time())
+        if now != last[0]:
+            last[1] = fmt(now)
+            last[0] = now
+        return last[1]
+    gutil.http_date = http_date
+
+    check = getattr(gmessage, "_ip_in_allow_list", None)
+    if check is not None:
+        seen: dict = {}
+
+        def ip_in_allow_list(ip_str, allow_list, networks):
+            k = (ip_str, id(allow_list), id(networks))
+            hit = seen.get(k)
+            if hit is None:
+                if len(seen) > 4096:
+                    seen.clear()
+                hit = seen[k] = check(ip_str, allow_list, networks)
+            return hit
+        gmessage._ip_in_allow_list = ip_in_allow_list
+
+
 class QagWorker(ThreadWorker):
     """`worker_class = "qag.gworker.QagWorker"`; `threads` threads serve, the main thread only waits."""
 
     def init_process(self):
+        _freeze(self.cfg)
+        _cache_per_worker()
         self.ep = select.epoll()
         self.work: queue.SimpleQueue = queue.SimpleQueue()
         self.conns: dict[int, TConn] = {}  # fd -> connection, busy or idle
