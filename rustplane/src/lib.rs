@@ -19,7 +19,8 @@
 //!
 //! Modules: [`sys`] (every `unsafe`), [`segment`] (the layout), [`msgpack`], [`entries`] (published
 //! entries), [`params`] (options, binding, error bodies), [`render`], [`mask`], [`pyfmt`] (Python's text
-//! forms), [`pg`] (PostgreSQL sessions and value decoding), [`mysql`] (MySQL/MariaDB sessions and value decoding), [`server`] (HTTP, forwarding, the request path).
+//! forms), [`pg`] (PostgreSQL sessions and value decoding), [`mysql`] (MySQL/MariaDB sessions and value decoding), [`pool`]
+//! (per-thread session pools, first come first served), [`server`] (HTTP, forwarding, the request path).
 
 pub mod entries;
 pub mod mask;
@@ -27,6 +28,7 @@ pub mod msgpack;
 pub mod mysql;
 pub mod params;
 pub mod pg;
+pub mod pool;
 pub mod pyfmt;
 pub mod render;
 pub mod segment;

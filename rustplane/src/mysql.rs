@@ -7,6 +7,7 @@
 use crate::entries::ConnEntry;
 use crate::params::PVal;
 use crate::pg::{decimal_texts, ExecError};
+use crate::pool::{self, Acquired, Grant, HasSlots, Slots};
 use crate::pyfmt::{float_repr, hex};
 use crate::render::Cell;
 use mysql_async::consts::{ColumnFlags, ColumnType};
@@ -39,10 +40,13 @@ pub struct Session {
 
 pub struct Pool {
     pub spec: SessionSpec,
-    idle: Vec<Session>,
-    open: usize,
-    cap: usize,
-    freed: Rc<tokio::sync::Notify>,
+    slots: Slots<Session>,
+}
+
+impl HasSlots<Session> for Pool {
+    fn slots(&mut self) -> &mut Slots<Session> {
+        &mut self.slots
+    }
 }
 
 thread_local! {
@@ -57,8 +61,7 @@ pub fn pool_for(spec: &SessionSpec) -> Rc<RefCell<Pool>> {
                 return pool.clone();
             }
         }
-        let pool = Rc::new(RefCell::new(Pool { spec: spec.clone(), idle: Vec::new(), open: 0, cap: crate::pg::pool_cap(),
-                                               freed: Rc::new(tokio::sync::Notify::new()) }));
+        let pool = Rc::new(RefCell::new(Pool { spec: spec.clone(), slots: Slots::new(crate::pg::pool_cap()) }));
         pools.insert(spec.conn.name.clone(), pool.clone());
         pool
     })
@@ -109,41 +112,37 @@ impl Drop for Lease {
     fn drop(&mut self) {
         let mut p = self.pool.borrow_mut();
         match self.session.take() {
-            Some(s) if s.healthy => p.idle.push(s),
-            _ => p.open -= 1,
+            Some(s) if s.healthy => p.slots.release(s),
+            _ => p.slots.closed(),
         }
-        p.freed.notify_one();
     }
 }
 
 impl Lease {
     pub async fn get(pool: Rc<RefCell<Pool>>) -> Result<Lease, ExecError> {
         loop {
-            let (idle, may_open, freed) = {
-                let mut p = pool.borrow_mut();
-                let idle = p.idle.pop();
-                let may_open = idle.is_none() && p.open < p.cap;
-                if may_open {
-                    p.open += 1;
-                }
-                (idle, may_open, p.freed.clone())
+            let acquired = pool.borrow_mut().slots.acquire();
+            let grant = match acquired {
+                Acquired::Idle(s) => Grant::Session(s),
+                Acquired::Open => Grant::Open,
+                Acquired::Wait(rx) => match pool::wait(&pool, rx).await {
+                    Some(g) => g,
+                    None => continue,
+                },
             };
-            if let Some(s) = idle {
-                return Ok(Lease { pool, session: Some(s) });
+            match grant {
+                Grant::Session(s) => return Ok(Lease { pool, session: Some(s) }),
+                Grant::Open => {
+                    let spec = pool.borrow().spec.clone();
+                    return match connect(&spec).await {
+                        Ok(session) => Ok(Lease { pool, session: Some(session) }),
+                        Err(e) => {
+                            pool.borrow_mut().slots.closed();
+                            Err(e)
+                        }
+                    };
+                }
             }
-            if may_open {
-                let spec = pool.borrow().spec.clone();
-                return match connect(&spec).await {
-                    Ok(session) => Ok(Lease { pool, session: Some(session) }),
-                    Err(e) => {
-                        let mut p = pool.borrow_mut();
-                        p.open -= 1;
-                        p.freed.notify_one();
-                        Err(e)
-                    }
-                };
-            }
-            freed.notified().await;
         }
     }
 

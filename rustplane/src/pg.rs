@@ -4,6 +4,7 @@
 //! quoted literals), and result values decoded from the binary format into what psycopg2 would return.
 
 use crate::entries::ConnEntry;
+use crate::pool::{self, Acquired, Grant, HasSlots, Slots};
 use crate::params::PVal;
 use crate::pyfmt::{decimal_str, float_repr, hex};
 use crate::render::{parse_json, Cell};
@@ -302,11 +303,14 @@ pub struct SessionSpec {
 
 pub struct Pool {
     pub spec: SessionSpec,
-    idle: Vec<Session>,
-    /// sessions open (idle or leased); at most `cap` per thread and connection, like a worker's pool
-    open: usize,
-    cap: usize,
-    freed: Rc<tokio::sync::Notify>,
+    /// at most `pool_cap()` sessions per thread and connection, like a worker's pool
+    slots: Slots<Session>,
+}
+
+impl HasSlots<Session> for Pool {
+    fn slots(&mut self) -> &mut Slots<Session> {
+        &mut self.slots
+    }
 }
 
 /// Sessions per plane thread and connection: QAG_POOL_SIZE (default 8), as each Python worker keeps.
@@ -326,8 +330,7 @@ pub fn pool_for(spec: &SessionSpec) -> Rc<RefCell<Pool>> {
                 return pool.clone();
             }
         }
-        let pool = Rc::new(RefCell::new(Pool { spec: spec.clone(), idle: Vec::new(), open: 0, cap: pool_cap(),
-                                               freed: Rc::new(tokio::sync::Notify::new()) }));
+        let pool = Rc::new(RefCell::new(Pool { spec: spec.clone(), slots: Slots::new(pool_cap()) }));
         pools.insert(spec.conn.name.clone(), pool.clone());
         pool
     })
@@ -372,45 +375,38 @@ impl Drop for Lease {
     fn drop(&mut self) {
         let mut p = self.pool.borrow_mut();
         match self.session.take() {
-            Some(s) if !s.client.is_closed() && s.healthy => p.idle.push(s),
-            _ => p.open -= 1, // closed (or broken): its place in the pool is free again
+            Some(s) if !s.client.is_closed() && s.healthy => p.slots.release(s),
+            _ => p.slots.closed(), // closed (or broken): its place in the pool is free again
         }
-        p.freed.notify_one();
     }
 }
 
 impl Lease {
     pub async fn get(pool: Rc<RefCell<Pool>>) -> Result<Lease, ExecError> {
         loop {
-            let (idle, may_open, freed) = {
-                let mut p = pool.borrow_mut();
-                let idle = p.idle.pop();
-                let may_open = idle.is_none() && p.open < p.cap;
-                if may_open {
-                    p.open += 1;
-                }
-                (idle, may_open, p.freed.clone())
+            let acquired = pool.borrow_mut().slots.acquire();
+            let grant = match acquired {
+                Acquired::Idle(s) => Grant::Session(s),
+                Acquired::Open => Grant::Open,
+                Acquired::Wait(rx) => match pool::wait(&pool, rx).await {
+                    Some(g) => g,
+                    None => continue,
+                },
             };
-            if let Some(s) = idle {
-                if !s.client.is_closed() {
-                    return Ok(Lease { pool, session: Some(s) });
+            match grant {
+                Grant::Session(s) if !s.client.is_closed() => return Ok(Lease { pool, session: Some(s) }),
+                Grant::Session(_) => pool.borrow_mut().slots.closed(),
+                Grant::Open => {
+                    let spec = pool.borrow().spec.clone();
+                    return match connect(&spec).await {
+                        Ok(session) => Ok(Lease { pool, session: Some(session) }),
+                        Err(e) => {
+                            pool.borrow_mut().slots.closed();
+                            Err(e)
+                        }
+                    };
                 }
-                pool.borrow_mut().open -= 1;
-                continue;
             }
-            if may_open {
-                let spec = pool.borrow().spec.clone();
-                return match connect(&spec).await {
-                    Ok(session) => Ok(Lease { pool, session: Some(session) }),
-                    Err(e) => {
-                        let mut p = pool.borrow_mut();
-                        p.open -= 1;
-                        p.freed.notify_one();
-                        Err(e)
-                    }
-                };
-            }
-            freed.notified().await;
         }
     }
 
