@@ -34,6 +34,8 @@ def parse_args(description, default_out, extra=None, db_floor='floor_pg'):
     p.add_argument('--warmup', type=float, default=3.0, help='seconds of warm-up at 8 callers before each run')
     p.add_argument('--open-duration', type=float, default=10.0, help='seconds per open-loop rate (seeds: 20)')
     p.add_argument('--open-rounds', type=int, default=None, help='rounds for openloop (default --rounds)')
+    p.add_argument('--open-fractions', default='', help='fractions of capacity for openloop (default '
+                                                       + ','.join(str(f) for f in OPEN_FRACTIONS) + ')')
     p.add_argument('--health-secs', type=float, default=5.0, help='seconds of the /health floor around each block')
     p.add_argument('--callers', type=int, default=32)
     p.add_argument('--scale-callers', type=int, default=64, help='callers in the workers block')
@@ -61,6 +63,7 @@ def parse_args(description, default_out, extra=None, db_floor='floor_pg'):
         opts.settle = 1.0
         opts.threads_list = '1,8'
     opts.open_rounds = opts.open_rounds or opts.rounds
+    opts.open_fractions = tuple(float(f) for f in opts.open_fractions.split(',') if f.strip()) or OPEN_FRACTIONS
     for b in opts.blocks:
         if b not in BLOCKS:
             p.error(f'unknown block {b!r}; choose from {", ".join(BLOCKS)}')
@@ -291,7 +294,7 @@ class Bench:
                 caps[t.name] = self._capacity(t, call)
             except Exception as exc:  # noqa: BLE001
                 self.fail('openloop', f'{t.name} capacity', exc)
-        for frac in OPEN_FRACTIONS:
+        for frac in self.opts.open_fractions:
             for rnd in range(self.opts.open_rounds):
                 for t in H.rotated(tgts, self.rotation):
                     if not caps.get(t.name):
