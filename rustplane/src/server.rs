@@ -272,6 +272,10 @@ fn password_for(home: &str, conn: &ConnEntry) -> Option<Option<String>> {
     })
 }
 
+fn is_loopback_host(host: &str) -> bool {
+    host.eq_ignore_ascii_case("localhost") || host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
+
 fn stage(stages: &mut Vec<(&'static str, f64)>, name: &'static str, since: Instant) -> Instant {
     let now = Instant::now();
     stages.push((name, (now - since).as_secs_f64()));
@@ -341,6 +345,9 @@ async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Option<IpAddr>)
             return Decision::Forward("connection not plain postgres");
         }
         Dialect::Mysql if conn.db != "mysql" => return Decision::Forward("connection not mysql"),
+        // mysql-connector uses TLS when the server offers it; the plane's sessions are plain TCP, so it
+        // reads only databases on this host (a remote one stays Python's, encrypted)
+        Dialect::Mysql if !is_loopback_host(&conn.host) => return Decision::Forward("mysql beyond this host"),
         _ => {}
     }
     let Some(password) = password_for(&sh.home, &conn) else { return Decision::Forward("connection password unreadable") };
