@@ -12,8 +12,8 @@ import uuid
 import harness as H
 import targets as T
 
-BLOCKS = ('dbonly', 'throughput', 'latency', 'openloop', 'forward', 'workers', 'threads', 'recording', 'roundtrips',
-          'profile')
+BLOCKS = ('dbonly', 'throughput', 'latency', 'governance', 'openloop', 'forward', 'workers', 'threads', 'recording',
+          'roundtrips', 'profile')
 OPEN_FRACTIONS = (0.25, 0.50, 0.75, 0.90, 1.00, 1.10)
 
 
@@ -272,6 +272,30 @@ class Bench:
         """One caller at a time: p50/p99 of a single call (the lookups and the hello floor)."""
         calls = [c for c in self.calls if c.name.startswith(('lookup', 'customer', 'hello'))]
         self._closed_block('latency', calls, 1)
+
+    def block_governance(self):
+        """What the allow-list and masking cost: on one running target, runs of the plain and the governed key
+        alternate back to back (--rounds pairs, the order flipped every pair), so a machine that changes speed
+        moves both halves of a pair; the report takes the cost per pair."""
+        pairs = []
+        for gov in [c for c in self.calls if c.name.endswith('_governed')]:
+            plain = next((c for c in self.calls if c.name == gov.name[:-len('_governed')] + '_plain'), None)
+            if plain is not None:
+                pairs.append((plain, gov))
+        for plain, gov in pairs:
+            tgts = [t for t in self.targets if t.kind == 'gateway' and t.supports(plain) and t.supports(gov)]
+            for t in H.rotated(tgts, self.rotation):
+                try:
+                    self.start(t, workers=1)
+                    for i in range(self.opts.rounds):
+                        for call in ((plain, gov) if i % 2 == 0 else (gov, plain)):
+                            r = self.measured(t, call, conns=self.opts.callers, duration=self.opts.duration)
+                            self.record('governance', t, call, i, r, conns=self.opts.callers, pair=plain.name)
+                except Exception as exc:  # noqa: BLE001
+                    self.fail('governance', f'{t.name} {gov.name}', exc)
+                finally:
+                    t.stop()
+            self.rotation += 1
 
     def _capacity(self, target, call):
         """Closed-loop capacity at --callers from this session's throughput block, or measured now."""

@@ -14,7 +14,7 @@ TARGET_ORDER = ['peer', 'peer_cache', 'qag', 'qag_plane', 'floor_pg', 'floor_mys
 LABEL = {'peer': 'QueryAPIGate 0.43', 'peer_cache': 'QueryAPIGate 0.43 + cache', 'qag': 'qag', 'qag_plane': 'qag + plane',
          'floor_pg': 'Falcon+psycopg2 floor', 'floor_mysql': 'Falcon+mysql-connector floor',
          'floor_hello': 'Falcon hello floor', 'postgres': 'PostgreSQL'}
-BLOCK_ORDER = ['dbonly', 'throughput', 'latency', 'capacity', 'openloop', 'workers', 'threads', 'recording',
+BLOCK_ORDER = ['dbonly', 'throughput', 'latency', 'governance', 'capacity', 'openloop', 'workers', 'threads', 'recording',
                'roundtrips']
 
 
@@ -154,6 +154,36 @@ class Report:
         if out:
             self.w(table(['harness', 'target', 'call', 'calls per gateway CPU-s', 'x peer+cache per core',
                           'x peer per core', 'of floor (calls/s)', 'of floor (per core)', '1-caller p50 ms'], out))
+
+    def governance_cost(self, tp):
+        """What the allow-list and masking cost a call: the governance block's back-to-back runs of the plain
+        and the governed key on one running target, taken pair by pair (a machine that changes speed between
+        pairs moves both halves of a pair)."""
+        if not tp:
+            return
+        out = []
+        for harness, plain, gov in (('oltp', 'lookup_plain', 'lookup_governed'),
+                                    ('tpcc_mysql', 'customer_plain', 'customer_governed')):
+            for tname in ('qag', 'qag_plane', 'peer_cache', 'peer'):
+                rows = [r for r in tp if r['harness'] == harness and r['target'] == tname]
+                by_round = group(rows, 'session', 'round')
+                costs, us = [], []
+                for rr in by_round.values():
+                    p = next((r for r in rr if r['call'] == plain and r.get('calls_per_gw_cpu_s')), None)
+                    g = next((r for r in rr if r['call'] == gov and r.get('calls_per_gw_cpu_s')), None)
+                    if p and g:
+                        costs.append(100.0 * (1 - g['calls_per_gw_cpu_s'] / p['calls_per_gw_cpu_s']))
+                        us.append(1e6 / g['calls_per_gw_cpu_s'] - 1e6 / p['calls_per_gw_cpu_s'])
+                if costs:
+                    out.append([harness, LABEL[tname], f'{gov} vs {plain}', len(costs),
+                                cell(costs, 1) + ' %', cell(us, 0)])
+        if out:
+            self.w('\n**What governance costs a call** (issue 3: at most 5%; the governance block): 1 - (governed '
+                   'calls per gateway CPU-second / plain calls per gateway CPU-second) for each back-to-back pair '
+                   'of runs on one running target, median (min-max) over the pairs; and the same as gateway CPU µs '
+                   'per call. Negative: the governed run of a pair was the cheaper one (noise).\n')
+            self.w(table(['harness', 'target', 'calls', 'pairs', 'cost per call (CPU)', 'extra CPU µs per call'],
+                         out))
 
     def health(self):
         hs = [r for r in self.rows if r['block'] == 'health']
@@ -387,6 +417,7 @@ class Report:
     def build(self):
         self.header()
         self.headline()
+        self.governance_cost([r for r in self.rows if r['block'] == 'governance'])
         self.health()
         for harness, hrows in group(self.rows, 'harness').items():
             harness = harness[0]
