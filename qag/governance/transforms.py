@@ -117,7 +117,7 @@ def _hasher(mask_key: bytes):
 class CompiledTransforms:
     """Per-position callables built once per (transforms, mask key); __call__ is the per-call work."""
 
-    __slots__ = ("keep", "row_fn", "transforms", "width")
+    __slots__ = ("keep", "row_fn", "transforms", "width", "_checked")
 
     def __init__(self, transforms, mask_key: bytes):
         transforms = tuple(transforms)
@@ -143,6 +143,7 @@ class CompiledTransforms:
         ns = {"h": _hasher(mask_key), "m": mask_value}
         exec(compile(src, "<qag.governance.transforms>", "exec"), ns)  # noqa: S102 - see comment above
         self.row_fn = ns["row_fn"]
+        self._checked: dict = {}  # (result columns, plan names) already found to match: checked once
 
     def __call__(self, columns, rows):
         if len(columns) != self.width:
@@ -159,6 +160,9 @@ class CompiledTransforms:
         """Refuse a result whose masked positions carry other columns than the plan traced (same width, but
         the table changed under SELECT *). Compared case-insensitively, after any "t." prefix (ClickHouse), on
         the first 63 characters (PostgreSQL truncates longer names); positions without a known name pass."""
+        key = (tuple(columns), names if type(names) is tuple else tuple(names))
+        if key in self._checked:
+            return
         for i, t in enumerate(self.transforms):
             if t is None or i >= len(names) or names[i] is None or i >= len(columns):
                 continue
@@ -168,6 +172,9 @@ class CompiledTransforms:
                 raise GovernanceError(403, "mask_unresolvable",
                                       f"result column {i + 1} is {columns[i]!r} but the masking plan traced "
                                       f"{names[i]!r}; the schema may have changed, rebuild the plan")
+        if len(self._checked) > 256:
+            self._checked.clear()
+        self._checked[key] = True
 
 
 _compiled: dict = {}
