@@ -176,7 +176,8 @@ def reference_markdown() -> str:
     lines = ["| variable | type | default | meaning |", "|---|---|---|---|"]
     for s in SETTINGS:
         default = s.default if s.default != "" else "(empty)"
-        lines.append(f"| `{s.env}` | {s.type_name} | `{default}` | {s.doc} |")
+        cells = [f"`{s.env}`", s.type_name.replace("|", "\\|"), f"`{default}`", s.doc.replace("|", "\\|")]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
