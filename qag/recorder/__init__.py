@@ -102,6 +102,7 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
     nbatch = 0
     batch_t0 = 0.0
     start = 0                 # ring the next read starts from, rotated so no ring starves the others
+    idle = idle_sleep_ms / 1000.0
     next_prune = time.monotonic() + prune_every_s
     prune_fut = None
     last_publish = 0.0
@@ -264,16 +265,21 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
                 return state
             if got and (stopping or not caught_up):
                 continue  # a backlog: read on at once
-            # Caught up, idle, or a partial batch waiting for its time: beat, then sleep one poll period.
-            # Not less: a recorder that woke every 0.5 ms to pick up each run as it came woke several
-            # times per call, on the workers' cores (measured: 30% more CPU per call in a worker
-            # beside it, bench/recorder.py --ab); runs wait for batch_ms anyway.
+            # Caught up, idle, or a partial batch waiting for its time: beat, then sleep. A recorder that
+            # woke every 0.5 ms to pick up each run as it came woke several times per call, on the
+            # workers' cores; polling every 5 ms still cost ~20 us per call at 500 calls/s (measured,
+            # bench/recorder.py --ab). So: an open batch sleeps to its deadline (the rings hold seconds
+            # of runs), one wakeup per batch; with no batch open, polls back off to batch_ms.
             if now - last_publish >= 1.0:
                 do_publish()
                 last_publish = now
-            wait = idle_sleep_ms / 1000.0
+            if got:
+                idle = idle_sleep_ms / 1000.0
             if batch:
-                wait = min(wait, max(0.0, batch_ms / 1000.0 - (now - batch_t0)))
+                wait = min(max(0.0, batch_ms / 1000.0 - (now - batch_t0)), 0.1)
+            else:
+                wait = idle
+                idle = min(idle * 2, max(idle_sleep_ms, batch_ms) / 1000.0)
             stop_event.wait(wait)
     finally:
         writer.shutdown(wait=True)
