@@ -23,7 +23,8 @@ End-to-end A/B (--ab): `qag serve` with one worker pinned to CPU 0 serving the P
 (pgbench data, plain key) to oha on CPU 1, as shipped (A) and with the worker's ring recorder replaced by a
 no-op in a bench-only launcher (B: qag.worker.RingRecorder.__call__ patched before the arbiter forks; no
 product setting turns recording off). Rounds alternate A and B; the worker's own CPU per call (from /proc,
-by its title) is compared, so the recorder process (its own core in production) and oha's pace don't count.
+by its title) is compared, and the recorder process's CPU per call is reported beside it: the recorder runs
+on the workers' cores, so its share is recording's cost to a worker too.
 
 Results: one JSON line per turn and one summary line per store and for the producer, appended to --out.
 """
@@ -157,8 +158,8 @@ class _NoRecordQag:
         return [sys.executable, "-c", self.PATCH] + cmd[cmd.index("serve"):]
 
 
-def _worker_ticks(target) -> int:
-    """CPU ticks of the target's worker processes (title `qag: worker N ...`)."""
+def _ticks_by_title(target, prefix: str) -> int:
+    """CPU ticks of the target's processes whose title starts with `prefix` (`qag: worker`, `qag: recorder`)."""
     total = 0
     for pid, ticks in target.ticks().items():
         try:
@@ -166,7 +167,7 @@ def _worker_ticks(target) -> int:
                 title = f.read().decode(errors="replace")
         except OSError:
             continue
-        if title.startswith("qag: worker"):
+        if title.startswith(prefix):
             total += ticks
     return total
 
@@ -206,7 +207,7 @@ def ab_worker_cost(rounds: int, duration: float, conns: int = 32) -> dict:
     no_rec = type("QagNoRecord", (_NoRecordQag, T.Qag), {})
     a, b = T.Qag(opts_a, wl), no_rec(opts_b, wl)
     a.name, b.name = "recording", "no_recording"
-    res: dict[str, list] = {"recording": [], "no_recording": []}
+    res: dict[str, list] = {k: [] for v in ("recording", "no_recording") for k in (v, v + "_rps", v + "_recorder")}
     rows = []
     try:
         for rnd in range(rounds):
@@ -215,16 +216,21 @@ def ab_worker_cost(rounds: int, duration: float, conns: int = 32) -> dict:
                 url = H.regex_escape_base(t.base) + t.path(call)
                 hdr = t.headers(call)
                 H.run_oha(oha, url, duration=1.0, conns=8, headers=hdr, load_cpus=[1])  # warm-up
-                w0 = _worker_ticks(t)
+                w0, r0 = _ticks_by_title(t, "qag: worker"), _ticks_by_title(t, "qag: recorder")
                 r = H.run_oha(oha, url, duration=duration, conns=conns, headers=hdr, load_cpus=[1])
-                cpu = (_worker_ticks(t) - w0) / H.CLK_TCK
+                cpu = (_ticks_by_title(t, "qag: worker") - w0) / H.CLK_TCK
+                rec_cpu = (_ticks_by_title(t, "qag: recorder") - r0) / H.CLK_TCK
                 us = cpu * 1e6 / max(r["n_2xx"], 1)
+                rec_us = rec_cpu * 1e6 / max(r["n_2xx"], 1)
                 res[t.name].append(us)
+                res[t.name + "_rps"].append(r["rps"])
+                res[t.name + "_recorder"].append(rec_us)
                 rows.append({"round": rnd, "variant": t.name, "calls": r["n"], "ok": r["n_2xx"], "rps": r["rps"],
                              "worker_cpu_s": round(cpu, 3), "worker_cpu_us_per_call": round(us, 1),
+                             "recorder_cpu_us_per_call": round(rec_us, 1),
                              "loadavg_1m": round(os.getloadavg()[0], 2)})
-                print(f"  A/B round {rnd} {t.name:>12}: {r['rps']:>7,.0f} calls/s, worker {us:6.1f} µs CPU per call "
-                      f"(load {os.getloadavg()[0]:.2f})", flush=True)
+                print(f"  A/B round {rnd} {t.name:>12}: {r['rps']:>7,.0f} calls/s, worker {us:6.1f} µs CPU per call, "
+                      f"recorder process {rec_us:5.1f} (load {os.getloadavg()[0]:.2f})", flush=True)
     finally:
         a.stop()
         b.stop()
@@ -233,7 +239,12 @@ def ab_worker_cost(rounds: int, duration: float, conns: int = 32) -> dict:
             "recording_us_per_call": round(ma, 1), "no_recording_us_per_call": round(mb, 1),
             "recording_min_max": [round(min(res["recording"]), 1), round(max(res["recording"]), 1)],
             "no_recording_min_max": [round(min(res["no_recording"]), 1), round(max(res["no_recording"]), 1)],
-            "recording_share_pct": round(100 * (ma - mb) / ma, 2)}
+            "recording_share_pct": round(100 * (ma - mb) / ma, 2),
+            "recording_rps": round(statistics.median(res["recording_rps"])),
+            "no_recording_rps": round(statistics.median(res["no_recording_rps"])),
+            # the recorder process runs on the workers' cores: its CPU per call is recording's cost too
+            "recorder_process_us_per_call": round(statistics.median(res["recording_recorder"]), 1),
+            "recorder_process_share_pct": round(100 * statistics.median(res["recording_recorder"]) / ma, 2)}
 
 
 def summarise(rows: list[dict]) -> dict:
@@ -323,7 +334,9 @@ def main(argv=None) -> int:
         print(f"A/B: worker {ab['recording_us_per_call']} µs CPU per call recording "
               f"({ab['recording_min_max'][0]}-{ab['recording_min_max'][1]}), {ab['no_recording_us_per_call']} without "
               f"({ab['no_recording_min_max'][0]}-{ab['no_recording_min_max'][1]}): recording = "
-              f"{ab['recording_share_pct']}% of the worker's CPU per call; the producer's "
+              f"{ab['recording_share_pct']}% of the worker's CPU per call; calls/s {ab['recording_rps']} vs "
+              f"{ab['no_recording_rps']}; the recorder process {ab['recorder_process_us_per_call']} µs per call "
+              f"({ab['recorder_process_share_pct']}% of a worker's); the producer's "
               f"{p['median_us']} µs = {p['share_of_measured_worker_cpu_pct']}% of it", flush=True)
     print(f"results appended to {args.out}")
     out.close()
