@@ -131,26 +131,25 @@ class QagWorker(ThreadWorker):
 
     # -- the main thread ---------------------------------------------------------------------------------
     def _accept(self, listener):
-        while True:
-            try:
-                sock, addr = listener.accept()
-            except OSError as e:
-                if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.ECONNABORTED):
-                    return
-                raise
-            sock.setblocking(True)
-            conn = TConn(self.cfg, sock, addr, listener.getsockname())
-            sock.setblocking(True)  # TConn made it non-blocking for gthread's selector
-            conn.fd = sock.fileno()
-            conn.busy = False
-            conn.timeout = time.monotonic() + gthread.DEFAULT_WORKER_DATA_TIMEOUT
-            with self.lock:
-                self.conns[conn.fd] = conn
-                self.nr_conns = len(self.conns)
-                self.ep.register(conn.fd, _EV_CONN)
-            if self.nr_conns >= self.worker_connections:
-                self._set_accepting(False)
+        """One connection per readiness event, as gthread does: every worker waits on the same listening
+        socket, and taking the whole backlog at once would give one worker every connection of a burst."""
+        try:
+            sock, addr = listener.accept()
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.ECONNABORTED):
                 return
+            raise
+        conn = TConn(self.cfg, sock, addr, listener.getsockname())
+        sock.setblocking(True)  # TConn made it non-blocking for gthread's selector; epoll doesn't need that
+        conn.fd = sock.fileno()
+        conn.busy = False
+        conn.timeout = time.monotonic() + gthread.DEFAULT_WORKER_DATA_TIMEOUT
+        with self.lock:
+            self.conns[conn.fd] = conn
+            self.nr_conns = len(self.conns)
+            self.ep.register(conn.fd, _EV_CONN)
+        if self.nr_conns >= self.worker_connections:
+            self._set_accepting(False)
 
     def _set_accepting(self, on: bool):
         if on == self._accepting:
