@@ -14,7 +14,7 @@ TARGET_ORDER = ['peer', 'peer_cache', 'qag', 'qag_plane', 'floor_pg', 'floor_mys
 LABEL = {'peer': 'QueryAPIGate 0.43', 'peer_cache': 'QueryAPIGate 0.43 + cache', 'qag': 'qag', 'qag_plane': 'qag + plane',
          'floor_pg': 'Falcon+psycopg2 floor', 'floor_mysql': 'Falcon+mysql-connector floor',
          'floor_hello': 'Falcon hello floor', 'postgres': 'PostgreSQL'}
-BLOCK_ORDER = ['dbonly', 'throughput', 'latency', 'governance', 'capacity', 'openloop', 'workers', 'threads', 'recording',
+BLOCK_ORDER = ['dbonly', 'throughput', 'latency', 'governance', 'capacity', 'openloop', 'forward', 'workers', 'threads', 'recording',
                'roundtrips']
 
 
@@ -287,6 +287,32 @@ class Report:
         self.w('Capacity used: ' + ', '.join(f'{LABEL.get(t, t)} {num(c)}/s' for t, c in caps.items()) + '\n')
         self.chart_openloop(rows, targets, harness)
 
+    def forward(self, rows):
+        """What the plane adds to a call it forwards (issue 7: at most 0.3 ms at p50): one caller, the same
+        instance, through the plane and straight to gunicorn's socket, pair by pair."""
+        if not rows:
+            return
+        self.w('### A forwarded call: through the plane vs straight to gunicorn\n')
+        self.w('One caller, the same running instance: through the plane (which forwards the call) and straight to '
+               'gunicorn\'s unix socket behind it, both ways each round in alternating order. "Extra p50" is '
+               'plane minus direct within each round, median (min-max) over rounds.\n')
+        out = []
+        for (call,), rr in group(rows, 'call').items():
+            by_round = group(rr, 'session', 'round')
+            plane = [r['p50_ms'] for r in rr if r.get('via') == 'plane']
+            direct = [r['p50_ms'] for r in rr if r.get('via') == 'direct']
+            extra = []
+            for x in by_round.values():
+                p = next((r['p50_ms'] for r in x if r.get('via') == 'plane'), None)
+                d = next((r['p50_ms'] for r in x if r.get('via') == 'direct'), None)
+                if p is not None and d is not None:
+                    extra.append(p - d)
+            out.append([call, cell(plane, 3), cell(direct, 3), cell(extra, 3),
+                        cell([r['p99_ms'] for r in rr if r.get('via') == 'plane'], 2),
+                        cell([r['p99_ms'] for r in rr if r.get('via') == 'direct'], 2)])
+        self.w(table(['call', 'p50 ms via plane', 'p50 ms direct', 'extra p50 ms', 'p99 ms via plane',
+                      'p99 ms direct'], out))
+
     def scaling(self, rows, field, title, what):
         if not rows:
             return
@@ -438,6 +464,7 @@ class Report:
                 self.chart_throughput(b('throughput'), harness)
             self.closed(b('latency'), 'One caller at a time', 'Closed loop, 1 caller: the latency of a single call.')
             self.openloop(b('openloop'), harness)
+            self.forward(b('forward'))
             self.scaling(b('workers'), 'workers', 'Workers (one per gateway CPU, pinned)',
                          'The lookup at 64 callers with 1..N workers. Cells: calls/s; calls per gateway CPU-second; p99.')
             self.scaling(b('threads'), 'threads', 'Threads per worker',
