@@ -16,6 +16,11 @@ or ClickHouse (`clickhouse://`, `clickhouses://`, `http(s)://`, `chdb:///dir`). 
     events_after(event_id, key_name=None, limit=1000) -> items, oldest first (for /events)
     last_event_id(); close()
 
+SQL stores write each run once: into qag_history when history keeps it (every failure; successes by
+QAG_HISTORY_SAMPLE_RATE), else into qag_events; the event stream reads both within the events
+retention, and the recorder sums the per-minute usage itself (see sql.py). ClickHouse writes
+qag_events only; its views fill history and usage.
+
 Items are API.md's run objects: event_id, at (RFC 3339 UTC, ms, Z), query, version, key_name,
 connection_name, status, code, rows, duration_ms, request_id, served_by. `since`/`until` take an
 RFC 3339 string, a datetime or epoch microseconds; `status` an int, "4xx"/"5xx", "ok" or "error";
