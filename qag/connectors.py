@@ -146,6 +146,12 @@ class Connector:
     def introspect(self) -> dict[tuple[str, str], list[str]]:
         raise NotImplementedError
 
+    def user_functions(self) -> set[tuple[str, str]]:
+        """(schema, name) of the functions defined in the database rather than built in: their bodies may read
+        any table, so governance refuses them to keys with an allow-list or masking rules. SQLite (no
+        functions but qag's) and ClickHouse have none to report."""
+        return set()
+
 
 class _Stale(Exception):
     pass
@@ -277,6 +283,14 @@ class PostgresConnector(Connector):
             out.setdefault((s, t), []).append(c)
         return out
 
+    def user_functions(self):
+        # Every function outside the catalog schemas, extensions' included (their SQL bodies can read tables).
+        _, rows, _ = self.run(
+            "SELECT DISTINCT n.nspname, p.proname FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace "
+            "WHERE n.nspname NOT IN ('pg_catalog', 'information_schema') AND left(n.nspname, 8) <> 'pg_toast'",
+            (), write=False, timeout=None, max_rows=None)
+        return {(s, n) for s, n in rows}
+
 
 # ---------------------------------------------------------------------------------------------
 class MySQLConnector(Connector):
@@ -394,6 +408,19 @@ class MySQLConnector(Connector):
         out: dict[tuple[str, str], list[str]] = {}
         for s, t, c in rows:
             out.setdefault((s, t), []).append(c)
+        return out
+
+    def user_functions(self):
+        # Stored functions (information_schema lists those this account may see) and loadable UDFs (native
+        # code, in mysql.func when the account may read it).
+        _, rows, _ = self.run("SELECT ROUTINE_SCHEMA, ROUTINE_NAME FROM information_schema.ROUTINES "
+                              "WHERE ROUTINE_TYPE = 'FUNCTION'", (), write=False, timeout=None, max_rows=None)
+        out = {(s, n) for s, n in rows}
+        try:
+            _, rows, _ = self.run("SELECT name FROM mysql.func", (), write=False, timeout=None, max_rows=None)
+            out |= {("", n) for (n,) in rows}
+        except (QueryFailed, ApiError):
+            pass
         return out
 
 

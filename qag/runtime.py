@@ -64,6 +64,7 @@ class Runtime:
         self._conns: dict[str, tuple] = {}       # name -> (gen, row, connector)
         self._plans: dict[tuple, Any] = {}
         self._schemas: dict[str, tuple] = {}
+        self._functions: dict[str, tuple] = {}  # connection -> (generation, its user-defined functions)
         self._admins: dict[str, tuple] = {}
         self._lock = threading.Lock()
         self._mask_key: bytes | None = None
@@ -250,6 +251,17 @@ class Runtime:
             return list(cols) if cols is not None else None
         return columns_of
 
+    def functions_of_factory(self, conn_name: str, connector, gen: int):
+        """A lazy `functions_of()`: the connection's user-defined functions, read once per generation and
+        only when a plan for a key with an allow-list or masking rules needs them."""
+        def functions_of():
+            cached = self._functions.get(conn_name)
+            if cached is None or cached[0] != gen:
+                cached = (gen, frozenset(connector.user_functions()))
+                self._functions[conn_name] = cached
+            return cached[1]
+        return functions_of
+
     def plan(self, principal: Principal, query_name: str, version_no: int | None):
         """The plan for this caller and query, from cache when every generation still matches."""
         qrow, qgen = self.query(query_name)
@@ -281,7 +293,8 @@ class Runtime:
             raise ApiError(502, "connection_failed",
                            f"The connection '{crow['name']}' is inactive; an administrator must reactivate it.")
         p = plan_mod.build(key=principal.key, query=qrow, version=vrow, connection=crow, connector=connector,
-                           cfg=self.cfg, gens=gens, columns_of=self.columns_of_factory(crow["name"], connector, cgen))
+                           cfg=self.cfg, gens=gens, columns_of=self.columns_of_factory(crow["name"], connector, cgen),
+                           functions_of=self.functions_of_factory(crow["name"], connector, cgen))
         if self.gens is not None:
             if len(self._plans) > 10000:
                 self._plans.clear()

@@ -250,6 +250,25 @@ def _analyze_cached(sql: str, dialect: str) -> Analysis:
     return a
 
 
+@functools.lru_cache(maxsize=2048)
+def called_functions(sql: str, dialect: str) -> tuple[tuple[str | None, str], ...]:
+    """The functions a statement calls that sqlglot does not model as built-ins: (qualifier or None, name),
+    names lowercased. A database's own functions and user-defined ones both land here; which are which
+    only the database can say (plan.py asks it through `functions_of`)."""
+    dialect = canonical_dialect(dialect)
+    tree = _parse_one(sql, dialect)
+    out = []
+    for node in tree.find_all(exp.Anonymous):
+        qualifier = None
+        parent = node.parent
+        if isinstance(parent, exp.Dot) and parent.expression is node:
+            q = parent.this
+            qualifier = (q.this if isinstance(q, exp.Identifier) else q.sql(dialect)).lower() \
+                if isinstance(q, exp.Expression) else str(q).lower()
+        out.append((qualifier, func_name(node)))
+    return tuple(dict.fromkeys(out))
+
+
 def _parse_one(sql: str, dialect: str) -> exp.Expression:
     try:
         statements = [s for s in sqlglot.parse(sql, read=dialect) if s is not None]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from .analysis import analyze, canonical_dialect
+from .analysis import analyze, called_functions, canonical_dialect
 from .errors import GovernanceError
 from .lineage import Lineage, Unknown
 from .tables import default_schema_for, forbidden_tables, parse_allowed, resolve, split_name, table_text
@@ -126,12 +126,18 @@ def parse_rules(mask_rules) -> list[MaskRule]:
 
 def plan_governance(*, sql: str, dialect: str, default_schema: str, allowed_tables, mask_rules,
                     server_allows_writes: bool, key_allows_writes: bool, allowed_write_ops,
-                    allow_unsafe: bool, columns_of) -> GovernedPlan:
+                    allow_unsafe: bool, columns_of, functions_of=None) -> GovernedPlan:
     """Decide once whether the statement may run for this key and how each output column is masked.
-    Checks in this order: unsafe functions, writes (server, key, op), tables, masking."""
+    Checks in this order: unsafe functions, writes (server, key, op), tables, masking.
+    functions_of() (optional): the database's user-defined functions as (schema, name) pairs; a key limited
+    by allowed_tables or masking rules may not call one (its body may read any table)."""
     d = canonical_dialect(dialect)
     a = analyze(sql, d)
     schema = default_schema_for(d, default_schema)
+    rules = parse_rules(mask_rules)
+    udfs = ()
+    if functions_of is not None and (allowed_tables is not None or rules) and d in ("postgres", "mysql"):
+        udfs = user_defined_calls(called_functions(sql, d), d, functions_of)
 
     if a.unsafe and not allow_unsafe:
         raise GovernanceError(403, "unsafe_function",
@@ -168,16 +174,49 @@ def plan_governance(*, sql: str, dialect: str, default_schema: str, allowed_tabl
                                   f"{', '.join(a.from_funcs)} in FROM may read tables qag cannot see, so a key "
                                   "limited by allowed_tables may not run it",
                                   {"tables": [], "functions": list(a.from_funcs)})
+        if udfs:
+            raise GovernanceError(403, "table_not_allowed",
+                                  f"{', '.join(udfs)} {'is a user-defined function' if len(udfs) == 1 else 'are user-defined functions'}"
+                                  ", which may read tables qag cannot see, so a key limited by allowed_tables "
+                                  "may not call it", {"tables": [], "functions": list(udfs)})
         bad = forbidden_tables(tables, parse_allowed(allowed_tables, d, schema))
         if bad:
             names = [table_text(t) for t in bad]
             raise GovernanceError(403, "table_not_allowed",
                                   f"this API key may not read or write {', '.join(names)}", {"tables": names})
 
-    transforms, names = _masking(a, d, schema, tables, parse_rules(mask_rules), columns_of)
+    if udfs and rules:
+        raise GovernanceError(403, "mask_unresolvable",
+                              f"this key has masking rules and {', '.join(udfs)} "
+                              f"{'is a user-defined function' if len(udfs) == 1 else 'are user-defined functions'}"
+                              ", whose result cannot be traced to its source columns", {"functions": list(udfs)})
+    transforms, names = _masking(a, d, schema, tables, rules, columns_of)
     return GovernedPlan(is_write=a.is_write, write_ops=a.write_ops,
                         tables=[table_text(t) for t in tables], transforms=transforms,
                         output_names=names, unsafe=a.unsafe)
+
+
+def user_defined_calls(calls, d: str, functions_of) -> list[str]:
+    """The calls (from called_functions) that may reach a user-defined function. PostgreSQL: a call qualified
+    with another schema than pg_catalog/information_schema, or an unqualified name some schema defines (which
+    one runs depends on search_path and argument types, so any); MySQL/MariaDB: a qualified call, or an
+    unqualified name a database defines (a built-in of the same name wins unqualified, but sqlglot models
+    the built-ins that matter)."""
+    if not calls:
+        return []
+    defined = {(str(s).lower(), str(n).lower()) for s, n in functions_of()}
+    names = {n for _, n in defined}
+    out = []
+    for q, n in calls:
+        if q is not None:
+            if d == "postgres" and q in ("pg_catalog", "information_schema"):
+                continue
+            if (q, n) not in defined and n not in names:
+                continue  # no such function: the database refuses the call itself
+            out.append(f"{q}.{n}")
+        elif n in names:
+            out.append(n)
+    return out
 
 
 # Catalog relations whose rows can hold other tables' values (statistics samples, query texts with literals,
