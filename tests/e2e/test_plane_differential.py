@@ -90,32 +90,8 @@ def plane_stack():
             pg_exec(dsn, stmt, None)  # no args: the % in the SQL are literal
     srv = start_server({"QAG_MASK_KEY": "plane-e2e-mask", "QAG_WORKERS": "1"},
                        args=("--workers", "1", "--plane", "--plane-threads", "2"))
-    import requests
-    adm = srv.admin
-
-    def post(path, body):
-        r = requests.post(srv.base + path, json=body, headers=adm, timeout=30)
-        assert r.status_code in (200, 201), (path, r.status_code, r.text)
-        return r.json()
-    post("/api/v1/connections", {"name": "pg", "db": "postgres", "host": "127.0.0.1", "port": 5432,
-                                 "user": "postgres", "database": "qag_plane_e2e"})
-    for name, (sql, params) in QUERIES.items():
-        post("/api/v1/queries", {"name": name, "connection_name": "pg", "sql": sql, "parameters": params,
-                                 "publish": True})
-    keys = {
-        "plain": post("/api/v1/api-keys", {"name": "plain", "queries": ["*"], "connections": ["pg"]})["secret"],
-        "gov": post("/api/v1/api-keys", {"name": "gov", "queries": ["*"], "connections": ["pg"],
-                                         "mask": [{"column": "items.email", "action": "hash"},
-                                                  {"column": "items.name", "action": "mask"},
-                                                  {"column": "items.price", "action": "null"},
-                                                  {"column": "items.code", "action": "drop"}]})["secret"],
-        "fenced": post("/api/v1/api-keys", {"name": "fenced", "queries": ["*"], "connections": ["pg"],
-                                            "allowed_ips": ["10.0.0.0/8"]})["secret"],
-        "bogus": "sk_not_a_key",
-    }
-    srv.keys = keys
-    srv.sock = os.path.join(srv.env["QAG_HOME"], "gunicorn.sock")
-    srv.port = int(srv.base.rsplit(":", 1)[1])
+    from tests.e2e.plane_seed import seed
+    seed(srv, {"name": "pg", "db": "postgres", "host": "127.0.0.1", "port": 5432, "user": "postgres", "database": "qag_plane_e2e"}, QUERIES)
     yield srv
     srv.stop()
 
