@@ -176,9 +176,8 @@ def plan_governance(*, sql: str, dialect: str, default_schema: str, allowed_tabl
                                   {"tables": [], "functions": list(a.from_funcs)})
         if udfs:
             raise GovernanceError(403, "table_not_allowed",
-                                  f"{', '.join(udfs)} {'is a user-defined function' if len(udfs) == 1 else 'are user-defined functions'}"
-                                  ", which may read tables qag cannot see, so a key limited by allowed_tables "
-                                  "may not call it", {"tables": [], "functions": list(udfs)})
+                                  f"{_udf_phrase(udfs)}, which may read tables qag cannot see, so a key limited by "
+                                  "allowed_tables may not call it", {"tables": [], "functions": list(udfs)})
         bad = forbidden_tables(tables, parse_allowed(allowed_tables, d, schema))
         if bad:
             names = [table_text(t) for t in bad]
@@ -187,13 +186,16 @@ def plan_governance(*, sql: str, dialect: str, default_schema: str, allowed_tabl
 
     if udfs and rules:
         raise GovernanceError(403, "mask_unresolvable",
-                              f"this key has masking rules and {', '.join(udfs)} "
-                              f"{'is a user-defined function' if len(udfs) == 1 else 'are user-defined functions'}"
-                              ", whose result cannot be traced to its source columns", {"functions": list(udfs)})
+                              f"this key has masking rules and {_udf_phrase(udfs)}, whose result cannot be traced to "
+                              "its source columns", {"functions": list(udfs)})
     transforms, names = _masking(a, d, schema, tables, rules, columns_of)
     return GovernedPlan(is_write=a.is_write, write_ops=a.write_ops,
                         tables=[table_text(t) for t in tables], transforms=transforms,
                         output_names=names, unsafe=a.unsafe)
+
+
+def _udf_phrase(udfs) -> str:
+    return f"{', '.join(udfs)} {'is a user-defined function' if len(udfs) == 1 else 'are user-defined functions'}"
 
 
 def user_defined_calls(calls, d: str, functions_of) -> list[str]:
