@@ -83,7 +83,13 @@ class Child:
         self.next_start = 0.0
 
     def spawn(self) -> None:
-        self.proc = subprocess.Popen(self.cmd, env=self.env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        # Its own session: a signal to the instance's process group (Ctrl-C in a terminal, `kill -- -PGID`,
+        # systemd's control-group stop) reaches the arbiter and the workers, never the children directly;
+        # the arbiter stops them itself, in order (the plane, then the recorder, which drains what the
+        # workers recorded while they finished their last calls). PR_SET_PDEATHSIG still ends them if the
+        # arbiter dies.
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+                                     start_new_session=True)
         self.started = time.monotonic()
 
     def check(self) -> None:

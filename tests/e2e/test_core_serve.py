@@ -412,3 +412,28 @@ def test_children_do_not_outlive_a_killed_arbiter():
     while time.time() < deadline and any(os.path.exists(f"/proc/{p}") and "qag" in title(p) for p in kids):
         time.sleep(0.2)
     assert not [p for p in kids if os.path.exists(f"/proc/{p}") and "qag" in title(p)]
+
+
+def test_group_sigterm_stops_children_once_and_records_every_run(pgbench_dsn):
+    """Ctrl-C in a terminal signals the whole process group. The recorder and the other children are not
+    restarted during the stop (they are in their own session and the arbiter stops them in order), and
+    every run made before the signal is in the run store afterwards."""
+    import sqlite3
+    srv = start_server()
+    key = setup(srv)
+    home = srv.env["QAG_HOME"]
+    kids = [p for p in children(arbiter_pid(srv)) if "qag: worker" not in title(p)]
+    assert kids and all(os.getsid(p) != os.getsid(arbiter_pid(srv)) for p in kids)
+    with requests.Session() as s:
+        for i in range(1, 101):
+            assert s.get(srv.base + f"/q/account?aid={i}", headers={"X-API-Key": key}).status_code == 200
+    os.killpg(srv.proc.pid, signal.SIGTERM)
+    assert srv.proc.wait(30) == 0
+    log = srv.log()
+    assert "restarting" not in log, log
+    db = sqlite3.connect(os.path.join(home, "runs.db"))
+    try:
+        n = db.execute("SELECT count(*) FROM qag_history WHERE query = 'account'").fetchone()[0]
+    finally:
+        db.close()
+    assert n == 100
