@@ -285,7 +285,29 @@ class Report:
         self.w(table(['offered'] + [LABEL.get(t, t) for t in targets], out))
         caps = {t: med([r.get('capacity') for r in rows if r['target'] == t]) for t in targets}
         self.w('Capacity used: ' + ', '.join(f'{LABEL.get(t, t)} {num(c)}/s' for t, c in caps.items()) + '\n')
+        self.openloop_waits(rows, targets, fracs, by)
         self.chart_openloop(rows, targets, harness)
+
+    def openloop_waits(self, rows, targets, fracs, by):
+        """Where the tail comes from: how busy the gateway's CPU was, and how long the gateway's and the
+        database's threads waited for a CPU while runnable (schedstat), per call."""
+        if not any(r.get('runq_wait_us_per_call') is not None for r in rows):
+            return
+        gw_cpus = [c for c in str(rows[0].get('gateway_cpus') or '').split(',') if c]
+        out = []
+        for f in fracs:
+            row = [f'{int(round(f * 100))}%']
+            for t in targets:
+                rs = by.get((f, t), [])
+                waits = [r.get('runq_wait_us_per_call') for r in rs]
+                busy = [max((r.get('cpu_busy') or {}).get(c, 0) for c in gw_cpus) * 100 for r in rs if gw_cpus]
+                row.append(f"{cell(busy, 0)}% / {cell(waits, 0)} µs" if rs and any(w is not None for w in waits)
+                           else '-')
+            out.append(row)
+        self.w('Where the tail comes from. Cells: the gateway CPU\'s busy share (everything on it: the gateway, '
+               'database processes the scheduler put there, kernel work) / microseconds per call that the gateway\'s '
+               'and the database\'s threads spent runnable but waiting for a CPU (schedstat), median (min-max).\n')
+        self.w(table(['offered'] + [LABEL.get(t, t) for t in targets], out))
 
     def forward(self, rows):
         """What the plane adds to a call it forwards (issue 7: at most 0.3 ms at p50): one caller, the same
