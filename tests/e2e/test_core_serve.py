@@ -26,8 +26,11 @@ def children(pid: int) -> list[int]:
 
 
 def title(pid: int) -> str:
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        return f.read().replace(b"\x00", b" ").decode().strip()
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\x00", b" ").decode().strip()
+    except OSError:
+        return ""  # it exited between the listing and this read (a killed worker being replaced)
 
 
 def cpus_allowed(pid: int) -> str:

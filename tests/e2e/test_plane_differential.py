@@ -279,3 +279,84 @@ def test_burst_recorded_and_counted(plane_stack):
     assert grew >= n, f"/metrics counted {grew} of the plane's {n} calls"
     assert _metric_total(after, "qag_rows_total") - _metric_total(before, "qag_rows_total") >= 10 * n
     assert _metric_total(after, "qag_runs_lost_total") == 0
+
+
+def _child_with_title(arbiter: int, title: str) -> int | None:
+    out = subprocess.run(["pgrep", "-P", str(arbiter)], capture_output=True, text=True).stdout.split()
+    for pid in map(int, out):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\x00", b" ").decode()
+            with open(f"/proc/{pid}/comm") as f:
+                comm = f.read().strip()
+        except OSError:
+            continue
+        if cmdline.startswith(title) or comm == title:
+            return pid
+    return None
+
+
+def test_crashes_of_the_recorder_and_of_the_plane_lose_no_run(plane_stack):
+    """Callers keep calling through the plane while the recorder is killed (SIGKILL), and then the plane
+    itself. Every call answered 200 is in history afterwards: a run is in the plane's ring before its answer
+    leaves, the recorder resumes from its committed position, and the restarted plane appends to the ring
+    where the killed one stopped. The restarted plane serves again."""
+    import signal
+
+    import requests
+    srv = plane_stack
+    h = {"X-API-Key": srv.keys["plain"]}
+    arbiter = srv.proc.pid
+    recorder, plane = _child_with_title(arbiter, "qag: recorder"), _child_with_title(arbiter, "qag-plane")
+    assert recorder and plane
+    tag = f"crash{random.randrange(1 << 30)}"
+    answered: list[str] = []
+    refused = [0]
+    stop = threading.Event()
+
+    def caller(k: int):
+        s = requests.Session()
+        i = 0
+        while not stop.is_set():
+            rid = f"{tag}-{k}-{i}"
+            i += 1
+            try:
+                r = s.get(srv.base + "/q/limited", headers={**h, "X-Request-Id": rid}, timeout=10)
+            except requests.RequestException:
+                refused[0] += 1  # the plane is down for its restart: nothing was answered
+                s = requests.Session()
+                time.sleep(0.01)
+                continue
+            assert r.status_code == 200, r.text
+            answered.append(rid)
+    threads = [threading.Thread(target=caller, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1.0)
+        os.kill(recorder, signal.SIGKILL)
+        time.sleep(1.5)
+        at_plane_kill = len(answered)
+        os.kill(plane, signal.SIGKILL)
+        deadline = time.time() + 20
+        while time.time() < deadline and len(answered) < at_plane_kill + 200:
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert len(answered) >= at_plane_kill + 200, "the plane did not come back"
+    new_plane = _child_with_title(arbiter, "qag-plane")
+    assert new_plane and new_plane != plane and _child_with_title(arbiter, "qag: recorder") not in (None, recorder)
+    deadline = time.time() + 30
+    while True:
+        runs = {rid: run for rid, run in _history(srv, "limited").items() if rid.startswith(tag + "-")}
+        if len(runs) >= len(answered) or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    missing = set(answered) - set(runs)
+    assert not missing, f"{len(missing)} of {len(answered)} answered calls not in history, e.g. {sorted(missing)[:3]}"
+    after_kill = set(answered[at_plane_kill:])
+    assert sum(1 for rid in after_kill if runs[rid]["served_by"] == "plane") >= 100, "the restarted plane served nothing"
+    text = requests.get(srv.base + "/metrics", timeout=10).text
+    assert _metric_total(text, "qag_runs_lost_total") == 0
