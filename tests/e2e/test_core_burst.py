@@ -45,7 +45,9 @@ def account_for_everything(srv, key, total):
     deadline = time.time() + 120
     calls = 0
     while time.time() < deadline:
-        u = requests.get(srv.base + "/api/v1/usage?per=day&query=account", headers=srv.admin).json()["items"]
+        r = requests.get(srv.base + "/api/v1/usage?per=day&query=account", headers=srv.admin)
+        assert r.status_code == 200, f"usage answered {r.status_code}: {r.text}"  # once seen without items
+        u = r.json()["items"]
         calls = sum(x["calls"] for x in u)
         if calls >= total:
             break
@@ -54,7 +56,9 @@ def account_for_everything(srv, key, total):
     ids, cursor = [], None
     while True:
         url = srv.base + "/api/v1/history?query=account&limit=1000" + (f"&cursor={cursor}" if cursor else "")
-        page = requests.get(url, headers=srv.admin).json()
+        r = requests.get(url, headers=srv.admin)
+        assert r.status_code == 200, f"history answered {r.status_code}: {r.text}"
+        page = r.json()
         ids += [x["event_id"] for x in page["items"]]
         cursor = page["next_cursor"]
         if not cursor:
