@@ -124,6 +124,18 @@ def compile_native(sql: str, dialect: str) -> tuple[str, tuple[str, ...]]:
     return "".join(parts), tuple(names)
 
 
+def split_at_markers(sql: str, dialect: str) -> list[str]:
+    """The text around the markers (one more piece than markers). With it the plane can put a value's literal
+    where the Python driver would, as mysql-connector does with a float (its repr, a DECIMAL or DOUBLE literal
+    to the server) while the other values stay bound."""
+    pieces, pos = [], 0
+    for start, end, _ in scan_markers(sql, dialect):
+        pieces.append(sql[pos:start])
+        pos = end
+    pieces.append(sql[pos:])
+    return pieces
+
+
 def neutralize(sql: str, dialect: str) -> str:
     """The SQL with every marker replaced by NULL, for statement analysis."""
     markers = scan_markers(sql, dialect)

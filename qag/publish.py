@@ -39,6 +39,7 @@ def key_entry(row: dict, via_prev: bool, gen: int) -> dict:
 def plan_entry(plan, cfg, sql_text: str) -> dict:
     return {"query": plan.query, "version": plan.version, "connection": plan.connection, "dialect": plan.dialect,
             "sql_native": P.compile_native(sql_text, plan.dialect)[0], "sql_driver": plan.sql,
+            "sql_pieces": P.split_at_markers(sql_text, plan.dialect) if plan.dialect == "mysql" else None,
             "arg_names": list(plan.arg_names),
             "specs": [_spec(s) for s in plan.specs],
             "transforms": list(plan.transforms) if plan.transforms is not None else None,

@@ -199,6 +199,9 @@ pub struct PlanEntry {
     pub connection: String,
     pub dialect: String,
     pub sql_native: String,
+    /// MySQL: the saved SQL's text around its markers (one more piece than markers), so that a float is put
+    /// in as the literal mysql-connector sends (Python's repr) while the other values stay bound.
+    pub sql_pieces: Option<Vec<String>>,
     pub arg_names: Vec<String>,
     pub specs: Vec<Spec>,
     pub transforms: Option<Vec<Action>>,
@@ -259,6 +262,10 @@ impl PlanEntry {
             connection: v.get("connection")?.as_str()?.to_string(),
             dialect: v.get("dialect")?.as_str()?.to_string(),
             sql_native: v.get("sql_native")?.as_str()?.to_string(),
+            sql_pieces: match v.get("sql_pieces") {
+                None | Some(Value::Nil) => None,
+                Some(a) => Some(a.as_array()?.iter().map(|x| x.as_str().map(str::to_string)).collect::<Option<_>>()?),
+            },
             arg_names: v.get("arg_names")?.as_array()?.iter().map(|x| x.as_str().map(str::to_string)).collect::<Option<_>>()?,
             specs: v.get("specs")?.as_array()?.iter().map(Spec::from_value).collect::<Option<_>>()?,
             transforms,
@@ -304,11 +311,16 @@ impl PlanEntry {
 
     /// Plan.paged_sql for one page (+1 row to know whether there is more).
     pub fn paged_sql(&self, page: i64, page_size: i64) -> Option<String> {
+        self.paged(&self.sql_native, page, page_size)
+    }
+
+    /// `base` (the native SQL, or it with literals put in) paged as Plan.paged_sql does.
+    pub fn paged(&self, base: &str, page: i64, page_size: i64) -> Option<String> {
         match self.page_mode.as_str() {
-            "append" => Some(format!("{}\nLIMIT {} OFFSET {}", self.sql_native, page_size + 1, (page - 1) * page_size)),
+            "append" => Some(format!("{}\nLIMIT {} OFFSET {}", base, page_size + 1, (page - 1) * page_size)),
             "wrap" => Some(format!(
                 "SELECT * FROM (\n{}\n) AS qag_page LIMIT {} OFFSET {}",
-                self.sql_native,
+                base,
                 page_size + 1,
                 (page - 1) * page_size
             )),

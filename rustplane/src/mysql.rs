@@ -169,6 +169,14 @@ impl Lease {
         }
     }
 
+    /// Close a statement and drop it from the session's cache (a one-off statement holding literals). A
+    /// failure marks the session broken: it is closed rather than reused.
+    pub async fn close(&mut self, st: Statement) {
+        if self.conn().close(st).await.is_err() {
+            self.session.as_mut().expect("session").healthy = false;
+        }
+    }
+
     /// Execute; (column names, rows of cells). Errors as MySQLConnector._run maps them.
     pub async fn query(&mut self, st: &Statement, args: Vec<Value>) -> Result<(Vec<String>, Vec<Vec<Cell>>), ExecError> {
         let (columns, rows) = match fetch(self.conn(), st, args).await {
@@ -218,9 +226,34 @@ fn classify(e: mysql_async::Error) -> (ExecError, bool) {
     }
 }
 
+/// The statement with each float put in as the literal mysql-connector writes (`str(float)`, Python's
+/// repr: `0.1` is a DECIMAL literal to the server, `1e+16` a DOUBLE), the other markers kept; and the
+/// values still to bind. None when the publisher gave no pieces or they do not match the values.
+pub fn with_float_literals(pieces: Option<&[String]>, bound: &[PVal]) -> Option<(String, Vec<PVal>)> {
+    let pieces = pieces?;
+    if pieces.len() != bound.len() + 1 {
+        return None;
+    }
+    let mut sql = String::with_capacity(pieces.iter().map(String::len).sum::<usize>() + 8 * bound.len());
+    let mut rest = Vec::with_capacity(bound.len());
+    for (piece, v) in pieces.iter().zip(bound) {
+        sql.push_str(piece);
+        match v {
+            PVal::Float(x) if x.is_finite() => sql.push_str(&float_repr(*x)),
+            PVal::Float(_) => return None, // the parameter rules refuse these before binding
+            other => {
+                sql.push('?');
+                rest.push(other.clone());
+            }
+        }
+    }
+    sql.push_str(&pieces[bound.len()]);
+    Some((sql, rest))
+}
+
 /// The value mysql-connector would send for a bound Python value (`%s` interpolation): ints and bools
-/// (1/0) as integers, strings as strings, None as NULL. A float becomes a DECIMAL literal in Python's
-/// text (its repr): no binary parameter type is read the same way, so such calls are forwarded.
+/// (1/0) as integers, strings as strings, None as NULL. A float is put in the statement's text instead
+/// (`with_float_literals`).
 pub fn arg_for(v: &PVal) -> Option<Value> {
     Some(match v {
         PVal::Null => Value::NULL,
@@ -428,5 +461,18 @@ mod tests {
         assert_eq!(decimal_cell(b"-0.50"), Some(Cell::Decimal { text: "-0.50".into(), num: "-0.5".into() }));
         assert_eq!(decimal_cell(b"12.00"), Some(Cell::Decimal { text: "12.00".into(), num: "12".into() }));
         assert_eq!(decimal_cell(b"0.0000001"), Some(Cell::Decimal { text: "1E-7".into(), num: "1e-07".into() }));
+    }
+
+    #[test]
+    fn floats_become_the_literals_mysql_connector_writes() {
+        let pieces: Vec<String> = ["SELECT ", " AS f, ", " AS s FROM t WHERE x > ", " AND y = ", ""].iter().map(|s| s.to_string()).collect();
+        let bound = vec![PVal::Float(0.1), PVal::Str("a".into()), PVal::Float(1e16), PVal::Int(3)];
+        let (sql, rest) = with_float_literals(Some(&pieces), &bound).expect("pieces match");
+        assert_eq!(sql, "SELECT 0.1 AS f, ? AS s FROM t WHERE x > 1e+16 AND y = ?");
+        assert_eq!(rest, vec![PVal::Str("a".into()), PVal::Int(3)]);
+        let (sql, _) = with_float_literals(Some(&pieces[..2]), &[PVal::Float(-2.5)]).expect("one marker");
+        assert_eq!(sql, "SELECT -2.5 AS f, ");
+        assert!(with_float_literals(Some(&pieces), &bound[..3]).is_none(), "pieces and values must match");
+        assert!(with_float_literals(None, &bound).is_none(), "an older publisher: forwarded");
     }
 }

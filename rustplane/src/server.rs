@@ -382,10 +382,25 @@ async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Option<IpAddr>)
         }
     }
     let t = stage(&mut stages, "bind", t);
-    let Some(sql) = plan.paged_sql(opts.page, opts.page_size) else { return Decision::Forward("paging mode") };
+    // MySQL: mysql-connector sends a float as its repr, a literal in the statement text (DECIMAL, or DOUBLE
+    // with an exponent); no bound type is read the same way, so the plane puts the same literal there
+    let with_literals = match dialect {
+        Dialect::Mysql if bound.iter().any(|v| matches!(v, params::PVal::Float(_))) => {
+            match mysql::with_float_literals(plan.sql_pieces.as_deref(), &bound) {
+                Some(x) => Some(x),
+                None => return Decision::Forward("float parameter without the statement's pieces"),
+            }
+        }
+        _ => None,
+    };
+    let base = with_literals.as_ref().map_or(plan.sql_native.as_str(), |(sql, _)| sql.as_str());
+    let Some(sql) = plan.paged(base, opts.page, opts.page_size) else { return Decision::Forward("paging mode") };
     let executed = match dialect {
         Dialect::Postgres => execute_pg(&plan, conn, password, &sql, &bound, opts.format).await,
-        Dialect::Mysql => execute_mysql(&plan, conn, password, &sql, &bound).await,
+        Dialect::Mysql => match with_literals {
+            Some((_, rest)) => execute_mysql(&plan, conn, password, &sql, &rest, true).await,
+            None => execute_mysql(&plan, conn, password, &sql, &bound, false).await,
+        },
     };
     let t1 = stage(&mut stages, "execute", t);
     let query_seconds = (t1 - t).as_secs_f64();
@@ -504,8 +519,10 @@ async fn execute_pg(plan: &PlanEntry, conn: Rc<ConnEntry>, password: Option<Stri
 
 /// MySQL/MariaDB: the prepared statement's metadata rules out what the plane cannot render before
 /// executing; the result's own columns decide again (a read executed twice costs time, never a wrong answer).
+/// `one_off`: the statement holds literals (a float): closed after use, so that it never crowds the
+/// session's cache of the saved queries' statements.
 async fn execute_mysql(plan: &PlanEntry, conn: Rc<ConnEntry>, password: Option<String>, sql: &str,
-                       bound: &[params::PVal]) -> Result<Rows, Exec> {
+                       bound: &[params::PVal], one_off: bool) -> Result<Rows, Exec> {
     let mut args = Vec::with_capacity(bound.len());
     for v in bound {
         args.push(mysql::arg_for(v).ok_or(Exec::Forward("parameter type"))?);
@@ -520,7 +537,11 @@ async fn execute_mysql(plan: &PlanEntry, conn: Rc<ConnEntry>, password: Option<S
     {
         return Err(Exec::Forward("result shape or types"));
     }
-    match lease.query(&st, args).await {
+    let result = lease.query(&st, args).await;
+    if one_off {
+        lease.close(st).await;
+    }
+    match result {
         Ok(x) => Ok(x),
         Err(ExecError::Forward(_)) => Err(Exec::Forward("execution: connection or value")),
         Err(e) => Err(exec_error(e, plan)),

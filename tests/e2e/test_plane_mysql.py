@@ -65,6 +65,10 @@ QUERIES = {
     "stats": (("SELECT code, COUNT(*) AS n, SUM(price) AS total, AVG(ratio) AS avg_ratio, MAX(created) AS last, "
                "ROUND(AVG(r4), 3) AS r3, MIN(at) AS first_at FROM items WHERE id <= :hi GROUP BY code ORDER BY code"),
               {"hi": {"type": "int", "default": 500}}),
+    # a float goes into the statement as mysql-connector writes it (repr): 0.1 is a DECIMAL literal to the server,
+    # 1e+16 a DOUBLE, and the echoed column shows which
+    "scaled": ("SELECT id, price * :f AS scaled, :f AS f, :label AS label FROM items WHERE ratio > :f ORDER BY id LIMIT 7",
+               {"f": {"type": "float", "required": True}, "label": {"type": "str", "default": "x"}}),
     "session": ("SELECT @@session.tx_read_only AS ro, @@session.max_statement_time AS mst", {}),
     # more than one row from a scalar subquery: an error at execution (500), not at prepare
     "boom": ("SELECT id, (SELECT id FROM items WHERE id <= :id) AS x FROM items WHERE id = 1", {"id": "int"}),
@@ -113,6 +117,11 @@ def _random_path(rnd: random.Random) -> str:
         p.append(("pat", rnd.choice(["name 1%", "name 2_", "%quotes%", "", "%é%", "%\\n%", "ab%"])))
         if rnd.random() < 0.5:
             p.append(("greeting", rnd.choice(["hi", "hello there, you", "ça va", "a,b\"c", "it's"])))
+    elif q == "scaled":
+        p.append(("f", rnd.choice(["0.1", "1e16", "-2.5", "1e-5", "123456789.125", "3", "0", "-0", "1.5e300", "abc",
+                                   "nan", "", "2.675", "100.0"])))
+        if rnd.random() < 0.5:
+            p.append(("label", rnd.choice(["a", "it's", "ça"])))
     elif q == "stats":
         if rnd.random() < 0.7:
             p.append(("hi", rnd.choice(["500", "20", "0", "x", "13"])))
@@ -134,6 +143,8 @@ def test_mysql_differential_byte_identical(mysql_stack):
     plane, direct = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30), UnixConn(srv.sock)
     # every row of the item query once per key kind (all the types and the odd rows), then random calls
     paths = [f"/q/item?id={i}&format={f}" for i in range(1, 24) for f in ("json", "csv", "ndjson")]
+    paths += [f"/q/scaled?f={v}&format={f}" for v in ("0.1", "1e16", "-2.5", "1e-5", "123456789.125", "3", "-0",
+                                                      "1.5e300", "2.675") for f in ("json", "csv")]
     pairs = 1250  # 2,500 calls: the PostgreSQL test keeps its 10,000
     diffs, rids = [], []
     for i in range(pairs):
@@ -166,9 +177,8 @@ def test_mysql_differential_byte_identical(mysql_stack):
         assert ry["served_by"].startswith("worker"), ry
         by_plane = rp["served_by"] == "plane"
         q = path.split("?")[0][3:]
-        kind = who if q != "typed" else "float-param"
-        served[kind] = served.get(kind, 0) + by_plane
-        calls[kind] = calls.get(kind, 0) + 1
+        served[who] = served.get(who, 0) + by_plane
+        calls[who] = calls.get(who, 0) + 1
         if by_plane and rp["status"] == 200:
             served_queries.add(q)
         for f in ("query", "version", "key_name", "connection_name", "status", "code", "rows"):
@@ -176,7 +186,7 @@ def test_mysql_differential_byte_identical(mysql_stack):
     for who in ("plain", "fenced", "gov"):
         assert served[who] > 0.8 * calls[who], f"the plane served only {served[who]} of {calls[who]} {who} calls"
     assert served.get("bogus", 0) == 0, "an unknown key is Python's to answer"
-    assert served_queries >= {"item", "items", "limited", "flags", "named", "stats"}, served_queries
+    assert served_queries >= {"item", "items", "limited", "flags", "named", "stats", "typed", "scaled"}, served_queries
     assert any(rp["status"] == 500 and rp["served_by"] == "plane" for rp in (runs[r[2]] for r in rids)), \
         "an execution error (500 query_failed) is answered by the plane"
 
