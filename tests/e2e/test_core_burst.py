@@ -5,10 +5,8 @@ CI runs QAG_BURST_CALLS=2000 per store; the issue's figure (100,000) is the same
 `QAG_BURST_CALLS=100000 pytest tests/e2e/test_core_burst.py` (closing notes give the run)."""
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
 import threading
 import time
 

@@ -282,7 +282,7 @@ def test_burst_recorded_and_counted(plane_stack):
 
 
 def _child_with_title(arbiter: int, title: str) -> int | None:
-    out = subprocess.run(["pgrep", "-P", str(arbiter)], capture_output=True, text=True).stdout.split()
+    out = subprocess.run(["pgrep", "-P", str(arbiter)], capture_output=True, text=True, check=False).stdout.split()
     for pid in map(int, out):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
