@@ -153,7 +153,7 @@ class Bench:
         s0 = H.all_stats()
         b0 = H.system_busy()
         gw0, db0 = target.ticks(s0), H.comm_ticks(self.db_comms, s0)
-        w0 = {pid: H.runq_wait_ns([pid]) for pid in list(gw0) + list(db0)}
+        w0 = {pid: H.runq_wait_ns(pid) for pid in list(gw0) + list(db0)}
         r = H.run_oha(self.oha, url, duration=duration, conns=conns, headers=headers, rate=rate,
                       load_cpus=self.opts.load_cpus, method=call.method)
         s1 = H.all_stats()
@@ -161,7 +161,7 @@ class Bench:
         gw1, db1 = target.ticks(s1), H.comm_ticks(self.db_comms, s1)
         gw = H.delta_seconds(gw0, gw1)
         # waiting for a CPU while runnable, per call: on a shared 2-core machine the tail is mostly this
-        waits = {pid: H.runq_wait_ns([pid]) - w0.get(pid, 0) for pid in list(gw1) + list(db1)}
+        waits = {pid: H.runq_wait_ns(pid) - w0.get(pid, 0) for pid in list(gw1) + list(db1)}
         gw_wait = sum(max(waits.get(pid, 0), 0) for pid in gw1) / 1e9
         db_wait = sum(max(waits.get(pid, 0), 0) for pid in db1) / 1e9
         # per process of the gateway (arbiter, workers, recorder, plane), by process title: where CPU goes

@@ -92,21 +92,20 @@ def delta_seconds(before, after):
     return max(ticks, 0) / CLK_TCK
 
 
-def runq_wait_ns(pids):
-    """Nanoseconds the threads of these processes have spent runnable but not running (the second field of
+def runq_wait_ns(pid):
+    """Nanoseconds the threads of this process have spent runnable but not running (the second field of
     /proc/PID/task/TID/schedstat): time a call waited for a CPU, not for the gateway's own work."""
+    try:
+        tids = os.listdir(f'/proc/{pid}/task')
+    except OSError:
+        return 0
     total = 0
-    for pid in pids:
+    for tid in tids:
         try:
-            tids = os.listdir(f'/proc/{pid}/task')
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                with open(f'/proc/{pid}/task/{tid}/schedstat') as f:
-                    total += int(f.read().split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
+            with open(f'/proc/{pid}/task/{tid}/schedstat') as f:
+                total += int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):
+            pass
     return total
 
 

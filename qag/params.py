@@ -108,44 +108,37 @@ def compile_sql(sql: str, dialect: str) -> tuple[str, tuple[str, ...]]:
     return "".join(parts), tuple(names)
 
 
+def _around_markers(sql: str, dialect: str) -> tuple[list[str], tuple[str, ...]]:
+    """The text around the markers (one more piece than markers) and the name at each marker."""
+    pieces, names, pos = [], [], 0
+    for start, end, name in scan_markers(sql, dialect):
+        pieces.append(sql[pos:start])
+        names.append(name)
+        pos = end
+    pieces.append(sql[pos:])
+    return pieces, tuple(names)
+
+
 def compile_native(sql: str, dialect: str) -> tuple[str, tuple[str, ...]]:
     """The statement with the database's own markers ($1..$n for PostgreSQL, ? elsewhere), one per
     occurrence, for the Rust plane's drivers (no % doubling: these drivers never format text)."""
-    markers = scan_markers(sql, dialect)
-    parts: list[str] = []
-    names: list[str] = []
-    pos = 0
-    for i, (start, end, name) in enumerate(markers, 1):
-        parts.append(sql[pos:start])
-        parts.append(f"${i}" if dialect == "postgres" else "?")
-        names.append(name)
-        pos = end
-    parts.append(sql[pos:])
-    return "".join(parts), tuple(names)
+    pieces, names = _around_markers(sql, dialect)
+    out = [pieces[0]]
+    for i, piece in enumerate(pieces[1:], 1):
+        out += [f"${i}" if dialect == "postgres" else "?", piece]
+    return "".join(out), names
 
 
 def split_at_markers(sql: str, dialect: str) -> list[str]:
     """The text around the markers (one more piece than markers). With it the plane can put a value's literal
     where the Python driver would, as mysql-connector does with a float (its repr, a DECIMAL or DOUBLE literal
     to the server) while the other values stay bound."""
-    pieces, pos = [], 0
-    for start, end, _ in scan_markers(sql, dialect):
-        pieces.append(sql[pos:start])
-        pos = end
-    pieces.append(sql[pos:])
-    return pieces
+    return _around_markers(sql, dialect)[0]
 
 
 def neutralize(sql: str, dialect: str) -> str:
     """The SQL with every marker replaced by NULL, for statement analysis."""
-    markers = scan_markers(sql, dialect)
-    parts, pos = [], 0
-    for start, end, _ in markers:
-        parts.append(sql[pos:start])
-        parts.append("NULL")
-        pos = end
-    parts.append(sql[pos:])
-    return "".join(parts)
+    return "NULL".join(split_at_markers(sql, dialect))
 
 
 class ParamSpec:

@@ -386,10 +386,10 @@ async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Option<IpAddr>)
     // with an exponent); no bound type is read the same way, so the plane puts the same literal there
     let with_literals = match dialect {
         Dialect::Mysql if bound.iter().any(|v| matches!(v, params::PVal::Float(_))) => {
-            match mysql::with_float_literals(plan.sql_pieces.as_deref(), &bound) {
-                Some(x) => Some(x),
-                None => return Decision::Forward("float parameter without the statement's pieces"),
-            }
+            let Some(x) = mysql::with_float_literals(plan.sql_pieces.as_deref(), &bound) else {
+                return Decision::Forward("float parameter without the statement's pieces");
+            };
+            Some(x)
         }
         _ => None,
     };
