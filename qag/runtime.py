@@ -268,11 +268,18 @@ class Runtime:
         if qrow is None or not principal.admin and not _granted(principal.key, qrow):
             raise ApiError(404, "query_not_found",
                            f"There is no saved query named '{query_name}' that this key may run.")
+        published = qrow["published_version"]
         if version_no is None:
-            version_no = qrow["published_version"]
+            version_no = published
             if version_no is None:
                 raise ApiError(404, "not_published",
                                f"The query '{query_name}' has no published version; publish one first.")
+        elif version_no != published and not principal.admin:
+            # Drafts and retired versions are an administrator's to try (issue 12, class 8). The same answer
+            # whether the version exists or not: no oracle for what is being drafted.
+            raise ApiError(404, "version_not_found",
+                           f"The query '{query_name}' has no version {version_no} that this key may run; "
+                           "call it without version to run the published one.")
         crow, connector, cgen = self.connection(qrow["connection_name"])
         kgen = principal.gen
         pkey = (principal.name if not principal.admin else "\x00admin", query_name, version_no)
@@ -285,7 +292,7 @@ class Runtime:
         self.plan_misses += 1
         vrow = self.version(query_name, version_no, qgen)
         if vrow is None:
-            raise ApiError(404, "query_not_found", f"The query '{query_name}' has no version {version_no}.")
+            raise ApiError(404, "version_not_found", f"The query '{query_name}' has no version {version_no}.")
         if crow is None or connector is None:
             raise ApiError(502, "connection_failed",
                            f"The connection '{qrow['connection_name']}' of this query no longer exists.")
@@ -299,7 +306,9 @@ class Runtime:
             if len(self._plans) > 10000:
                 self._plans.clear()
             self._plans[pkey] = p
-            if self.publisher is not None:
+            # The plane looks plans up by (key, query) alone and serves what it finds: only the published
+            # version's plan may go there, or a later call without `version` could run another one.
+            if self.publisher is not None and version_no == published:
                 self.publisher.plan(p, plan_mod.strip_sql(vrow["sql"]))
         return p, crow, connector
 

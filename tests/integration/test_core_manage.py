@@ -101,8 +101,13 @@ def test_versions_immutable_publish_and_delete(app_client, sqlite_db):
     got = c.simulate_get("/api/v1/queries/q", headers=A).json
     assert [v["sql"] for v in got["versions"]] == ["SELECT id FROM t WHERE id = :id",
                                                    "SELECT id, name FROM t WHERE id = :id"]
-    # an explicit version can still be called
-    assert c.simulate_get("/q/q", params={"id": "2", "version": "1"}, headers=h).json == [{"id": 2}]
+    # an administrator may still call an explicit version; a scoped key only the published one (issue 12)
+    assert c.simulate_get("/q/q", params={"id": "2", "version": "1"}, headers=A).json == [{"id": 2}]
+    assert c.simulate_get("/q/q", params={"id": "2", "version": "2"}, headers=h).json == [{"id": 2, "name": "bob"}]
+    for v in ("1", "9"):
+        r = c.simulate_get("/q/q", params={"id": "2", "version": v}, headers=h)
+        assert r.status_code == 404 and r.json["code"] == "version_not_found", r.text
+    assert c.simulate_get("/q/q", params={"id": "2", "version": "9"}, headers=A).json["code"] == "version_not_found"
     for body, code in (({"name": "bad", "connection_name": "lite", "sql": "SELECT 1; SELECT 2"}, "multiple_statements"),
                        ({"name": "bad", "connection_name": "lite", "sql": "SELEKT"}, "invalid_sql"),
                        ({"name": "bad", "connection_name": "nope", "sql": "SELECT 1"}, "connection_not_found"),
