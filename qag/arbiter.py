@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -40,6 +41,17 @@ def run_store_url(cfg) -> str:
     return os.path.join(cfg.home, "runs.db")
 
 
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    line = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    return line if len(line) <= 240 else line[:239] + "…"
+
+
+def _redact(url: str) -> str:
+    import re
+    return re.sub(r"(://[^:/@]+):[^@]*@", r"\1:********@", url)
+
+
 def slot_count(workers: int) -> int:
     return max(8, workers + 4)
 
@@ -69,6 +81,23 @@ def _die_with_parent() -> None:
         pass
 
 
+class StartFailed(Exception):
+    """A start that cannot go on, said in one line; whatever the start had made is gone again."""
+
+
+def describe_exit(returncode: int | None) -> str:
+    """How a child ended, from Popen's returncode (negative: the signal that killed it)."""
+    if returncode is None:
+        return "ended (its exit status was reaped elsewhere and is unknown)"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"killed by signal {-returncode} ({name})"
+    return f"exited with code {returncode}"
+
+
 class Child:
     """A supervised child process: restarted with backoff (0.2 s doubling to 10 s; reset after 30 s alive)."""
 
@@ -81,6 +110,31 @@ class Child:
         self.backoff = 0.2
         self.restarts = 0
         self.next_start = 0.0
+        self.exit_status: int | None = None  # Popen-style returncode of the last exit, None = unknown
+        self._reap_lock = threading.RLock()  # also taken by gunicorn's SIGCHLD handler, maybe inside stop()
+
+    def reap(self) -> bool:
+        """True once the child has ended, its status kept in `exit_status`. Two reapers race for it: this
+        supervisor and gunicorn's arbiter, whose reap_workers() waits for *any* child (waitpid(-1)) and
+        drops those that are not workers, after which Popen can only say "code 0". Both reap through here
+        (see ArbiterHooks.ready), so the real status is never lost."""
+        proc = self.proc
+        if proc is None:
+            return False
+        with self._reap_lock:
+            if proc.returncode is not None:
+                return True
+            try:
+                pid, status = os.waitpid(proc.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped by a nested call (a signal handler), or before the hook was in place
+                if proc.returncode is None:
+                    proc.returncode = 0
+                    self.exit_status = None
+                return True
+            if pid == 0:
+                return False
+            proc.returncode = self.exit_status = os.waitstatus_to_exitcode(status)
+            return True
 
     def spawn(self) -> None:
         # Its own session: a signal to the instance's process group (Ctrl-C in a terminal, `kill -- -PGID`,
@@ -88,19 +142,21 @@ class Child:
         # the arbiter stops them itself, in order (the plane, then the recorder, which drains what the
         # workers recorded while they finished their last calls). PR_SET_PDEATHSIG still ends them if the
         # arbiter dies.
-        self.proc = subprocess.Popen(self.cmd, env=self.env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
-                                     start_new_session=True)
+        with self._reap_lock:
+            self.proc = subprocess.Popen(self.cmd, env=self.env, stdin=subprocess.DEVNULL,
+                                         preexec_fn=_die_with_parent, start_new_session=True)
+            self.exit_status = None
         self.started = time.monotonic()
 
     def check(self) -> None:
-        proc = self.proc
-        if proc is None or proc.poll() is None:
+        if not self.reap():
             return
         now = time.monotonic()
         if self.next_start == 0.0:
             if now - self.started > 30:
                 self.backoff = 0.2
-            log.warning("%s exited (code %s); restarting in %.1f s", self.name, proc.returncode, self.backoff)
+            log.warning("%s (pid %d) %s; restarting in %.1f s", self.name, self.proc.pid,
+                        describe_exit(self.exit_status), self.backoff)
             self.next_start = now + self.backoff
             self.backoff = min(self.backoff * 2, 10.0)
         elif now >= self.next_start:
@@ -109,6 +165,9 @@ class Child:
             self.spawn()
 
     def stop(self, timeout: float = 15) -> None:
+        if self.reap():
+            self.proc = None
+            return
         proc, self.proc = self.proc, None
         if proc is not None and proc.poll() is None:
             proc.terminate()
@@ -131,19 +190,49 @@ class ArbiterHooks:
         self.recorder_restarts = 0
 
     def start(self) -> str | None:
+        """Create the segment and start the children; a failure raises StartFailed (one line) after removing
+        what was made, so a failed start leaves no segment or semaphore in /dev/shm and no child running."""
         import shm
         self.segment_name = instance_name(self.cfg)
         slots = slot_count(self.workers)
-        self.segment = shm.Segment.create(self.segment_name, self.cfg.shm_size, slots=slots)
+        try:
+            self.segment = shm.Segment.create(self.segment_name, self.cfg.shm_size, slots=slots)
+        except shm.LayoutError as exc:  # another running instance owns it: never remove that one's segment
+            raise StartFailed(str(exc)) from None
+        except (OSError, ValueError) as exc:
+            raise StartFailed(f"cannot create the shared-memory segment {self.segment_name}: {_one_line(exc)}") from None
+        try:
+            self._start_children(slots)
+        except BaseException as exc:
+            self.stop()
+            if isinstance(exc, StartFailed):
+                raise
+            if not isinstance(exc, Exception):
+                raise
+            raise StartFailed(_one_line(exc)) from None
+        return self.segment_name
+
+    def _start_children(self, slots: int) -> None:
         self.recorder_slot = slots - RECORDER_SLOT_FROM_TOP
         self.plane_slot = slots - PLANE_SLOT_FROM_TOP
         # The store's schema exists before any worker serves (history reads must not race its creation).
-        from qag.runstore import open_store
-        st = open_store(run_store_url(self.cfg))
-        st.ensure_schema()
-        st.close()
+        url = run_store_url(self.cfg)
+        logging.disable(logging.ERROR)  # the drivers' own log lines would add to the one line that says why
+        try:
+            from qag.runstore import open_store
+            st = open_store(url)
+            st.ensure_schema()
+            st.close()
+        except ImportError as exc:
+            extra = "clickhouse" if "clickhouse" in str(exc) or url.startswith(("clickhouse", "chdb")) else "server"
+            raise StartFailed(f"the run store at {_redact(url)} needs a module that is not installed "
+                              f"({_one_line(exc)}): pip install 'qag[{extra}]'") from None
+        except Exception as exc:
+            raise StartFailed(f"the run store at {_redact(url)} cannot be opened: {_one_line(exc)}") from None
+        finally:
+            logging.disable(logging.NOTSET)
         self.children = [Child("the recorder", [sys.executable, "-m", "qag.recorder", "--segment", self.segment_name,
-                                                "--store", run_store_url(self.cfg), "--slot", str(self.recorder_slot)])]
+                                                "--store", url, "--slot", str(self.recorder_slot)])]
         self.children.append(Child("the change watcher", [sys.executable, "-m", "qag.changes", "--segment",
                                                           self.segment_name]))
         if self.plane is not None:
@@ -152,7 +241,6 @@ class ArbiterHooks:
             c.spawn()
         self._thread = threading.Thread(target=self._supervise, name="qag-supervisor", daemon=True)
         self._thread.start()
-        return self.segment_name
 
     @property
     def recorder(self):
@@ -183,7 +271,14 @@ class ArbiterHooks:
                     c.check()
 
     def ready(self, server) -> None:
-        pass
+        """gunicorn's arbiter is up: let its reaper hand our children's exit statuses to us first."""
+        reap_workers = server.reap_workers
+
+        def reap_children_then_workers():
+            for c in getattr(self, "children", []):
+                c.reap()
+            reap_workers()
+        server.reap_workers = reap_children_then_workers
 
     def worker_exited(self, slot, pid) -> None:
         pass

@@ -169,7 +169,11 @@ def run(cfg, *, pin: bool = True, plane: bool = False, plane_threads: int | None
     workers = len(cpu_plan)
     from qag import arbiter
     hooks = arbiter.ArbiterHooks(cfg, workers, plane_opts)
-    segment_name = hooks.start()
+    try:
+        segment_name = hooks.start()
+    except arbiter.StartFailed as exc:  # one line; start() left nothing behind in /dev/shm
+        print(f"qag: cannot start: {exc}", file=sys.stderr)
+        return EXIT_STORE
     import gunicorn.util
 
     def _title(title: str) -> None:  # gunicorn names its master "master [qag]"; ours is "qag: arbiter"
