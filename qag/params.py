@@ -5,11 +5,17 @@ parameters. The driver binds every value; nothing a caller sends is ever spliced
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import Any
 
 from qag.errors import ApiError
+
+try:
+    from pglast.parser import scan as pg_scan
+except ImportError:  # pragma: no cover - pglast is a base dependency
+    pg_scan = None
 
 INT_MIN, INT_MAX = -(2 ** 63), 2 ** 63 - 1
 TYPES = {"int": "int", "integer": "int", "float": "float", "number": "float", "str": "str", "string": "str",
@@ -24,7 +30,268 @@ FALSE_TEXT = frozenset(("false", "0", "no"))
 
 
 def scan_markers(sql: str, dialect: str = "postgres") -> list[tuple[int, int, str]]:
-    """Every `:name` marker as (start, end, name), skipping literals, identifiers, comments and `::`."""
+    """Every `:name` marker as (start, end, name), found with the database's own lexical rules: PostgreSQL's
+    scanner itself (libpg_query through pglast), and MySQL/MariaDB's and SQLite's rules written out below.
+    Text a server could read in more than one way (a MySQL string under either setting of
+    NO_BACKSLASH_ESCAPES, a PostgreSQL literal under standard_conforming_strings off, an executable
+    comment) or whose markers the server would read otherwise is refused: 400 invalid_sql."""
+    return list(_markers_cached(sql, dialect))
+
+
+class Unreadable(ApiError):
+    """400 invalid_sql: the text cannot be read exactly as the database reads it."""
+
+    def __init__(self, dialect: str, why: str):
+        super().__init__(400, "invalid_sql", f"qag cannot read this {_DIALECT_NAMES.get(dialect, dialect)} statement "
+                         f"exactly as the database would: {why}")
+
+
+_DIALECT_NAMES = {"postgres": "PostgreSQL", "mysql": "MySQL/MariaDB", "sqlite": "SQLite", "clickhouse": "ClickHouse"}
+
+
+@functools.lru_cache(maxsize=4096)
+def _markers_cached(sql: str, dialect: str) -> tuple[tuple[int, int, str], ...]:
+    if not isinstance(sql, str):
+        raise Unreadable(dialect, "the statement is not text")
+    if "\x00" in sql:
+        raise Unreadable(dialect, "it contains a NUL character")
+    if dialect == "postgres":
+        return _pg_markers(sql)
+    if dialect == "mysql":
+        return _mysql_markers(sql)
+    if dialect == "sqlite":
+        return _sqlite_markers(sql)
+    return tuple(_generic_markers(sql, dialect))
+
+
+def _marker_at(sql: str, colon: int, word_end: int, dialect: str):
+    """The marker for a ':' at `colon` followed by a name token ending at word_end (exclusive), None when
+    the text there is not a marker. A name the server reads longer than a marker name is refused."""
+    prev = sql[colon - 1] if colon > 0 else " "
+    if prev.isalnum() or prev == "_":
+        return None
+    word = sql[colon + 1:word_end]
+    m = NAME_RE.match(word)
+    if m is None:
+        return None
+    if m.end() != len(word):
+        raise Unreadable(dialect, f"the server reads {sql[colon:word_end]!r} as one name, which is not a "
+                                  "parameter marker :name (letters, digits, _)")
+    return (colon, word_end, word)
+
+
+# ---- PostgreSQL: its own scanner ----------------------------------------------------------------------
+def _pg_markers(sql: str) -> tuple[tuple[int, int, str], ...]:
+    try:
+        tokens = pg_scan(sql)
+    except Exception as exc:  # pglast.parser.ParseError, or anything the scanner raises
+        raise Unreadable("postgres", str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__) from None
+    out = []
+    for k, t in enumerate(tokens):
+        name = t.name
+        if name == "PARAM":
+            raise Unreadable("postgres", f"{sql[t.start:t.end + 1]} is a positional parameter; name parameters "
+                                         "as :name")
+        if name == "SCONST" and sql[t.start] == "'" and "\\" in sql[t.start:t.end + 1]:
+            # With standard_conforming_strings off the server reads a backslash in '...' as an escape.
+            if _quoted_end(sql, t.start, "'", True) != t.end + 1:
+                raise Unreadable("postgres", f"the literal at character {t.start + 1} ends elsewhere when "
+                                             "standard_conforming_strings is off; write it as an E'...' string")
+        if name == "ASCII_58" and k + 1 < len(tokens) and tokens[k + 1].start == t.end + 1:
+            m = _marker_at(sql, t.start, tokens[k + 1].end + 1, "postgres")
+            if m is not None:
+                out.append(m)
+    return tuple(out)
+
+
+def _quoted_end(sql: str, i: int, q: str, backslash: bool) -> int:
+    """End (exclusive) of the quoted token opening at i; -1 when it does not end."""
+    n = len(sql)
+    j = i + 1
+    while j < n:
+        c = sql[j]
+        if backslash and c == "\\":
+            j += 2
+            continue
+        if c == q:
+            if j + 1 < n and sql[j + 1] == q:
+                j += 2
+                continue
+            return j + 1
+        j += 1
+    return -1
+
+
+# ---- MySQL / MariaDB ------------------------------------------------------------------------------------
+_SPACE = frozenset(" \t\n\r\f\v")
+
+
+def _my_word(c: str) -> bool:
+    return c.isascii() and (c.isalnum() or c in "_$") or "\u0080" <= c <= "\uffff"
+
+
+def mysql_tokens(sql: str, backslash: bool) -> tuple[tuple[str, int, int], ...]:
+    """(kind, start, end) tokens by MySQL/MariaDB's lexical rules (sql_lex.cc): kind is str ('...'),
+    dq ("..."), ident (`...`), comment, colon, word, op. backslash: whether \\ escapes in strings
+    (NO_BACKSLASH_ESCAPES off)."""
+    out = []
+    i, n = 0, len(sql)
+    while i < n:
+        c = sql[i]
+        if c in _SPACE:
+            i += 1
+        elif c in "'\"`":
+            j = _quoted_end(sql, i, c, backslash and c != "`")
+            if j < 0:
+                raise Unreadable("mysql", f"the quoted text at character {i + 1} does not end")
+            out.append(({"'": "str", '"': "dq", "`": "ident"}[c], i, j))
+            i = j
+        elif c == "#" or (c == "-" and sql.startswith("--", i) and (
+                i + 2 >= n or sql[i + 2] in _SPACE or ord(sql[i + 2]) < 32 or ord(sql[i + 2]) == 127)):
+            j = sql.find("\n", i)
+            j = n if j < 0 else j
+            out.append(("comment", i, j))
+            i = j
+        elif c == "/" and sql.startswith("/*", i):
+            if sql[i + 2:i + 3] == "!" or sql[i + 2:i + 4] in ("M!", "m!"):
+                raise Unreadable("mysql", "executable comments (/*! ... */, /*M! ... */) run text the analysis "
+                                          "cannot see; write the SQL without them")
+            j = sql.find("*/", i + 2)
+            if j < 0:
+                raise Unreadable("mysql", f"the comment at character {i + 1} does not end")
+            if "/*" in sql[i + 2:j]:
+                raise Unreadable("mysql", "a comment inside a comment")
+            out.append(("comment", i, j + 2))
+            i = j + 2
+        elif c == ":":
+            if sql.startswith(":=", i):
+                out.append(("op", i, i + 2))
+                i += 2
+            else:
+                out.append(("colon", i, i + 1))
+                i += 1
+        elif c == "?":
+            raise Unreadable("mysql", "? is a placeholder; name parameters as :name")
+        elif _my_word(c):
+            j = i + 1
+            while j < n and _my_word(sql[j]):
+                j += 1
+            out.append(("word", i, j))
+            i = j
+        else:
+            out.append(("op", i, i + 1))
+            i += 1
+    return tuple(out)
+
+
+def _mysql_markers(sql: str) -> tuple[tuple[int, int, str], ...]:
+    try:
+        tokens = mysql_tokens(sql, True)
+    except Unreadable:
+        tokens = None
+    if tokens is None or any(kind in ("str", "dq") and "\\" in sql[a:b] for kind, a, b in tokens):
+        try:
+            other = mysql_tokens(sql, False)
+        except Unreadable:
+            other = None
+        if tokens is None and other is None:
+            mysql_tokens(sql, True)     # raises the first reading's reason
+    else:
+        other = tokens
+    if other != tokens:
+        raise Unreadable("mysql", "a backslash in a string makes it end elsewhere when the server's sql_mode has "
+                                  "NO_BACKSLASH_ESCAPES; write the text without a backslash before a quote")
+    return _markers_from(sql, tokens, "mysql")
+
+
+def _markers_from(sql, tokens, dialect):
+    out = []
+    for k, (kind, a, b) in enumerate(tokens):
+        if kind == "colon" and k + 1 < len(tokens) and tokens[k + 1][0] == "word" and tokens[k + 1][1] == b:
+            m = _marker_at(sql, a, tokens[k + 1][2], dialect)
+            if m is not None:
+                out.append(m)
+    return tuple(out)
+
+
+# ---- SQLite ---------------------------------------------------------------------------------------------
+def _sqlite_idchar(c: str) -> bool:
+    return c.isascii() and (c.isalnum() or c in "_$") or ord(c) >= 0x80
+
+
+def sqlite_tokens(sql: str) -> tuple[tuple[str, int, int], ...]:
+    """(kind, start, end) tokens by SQLite's tokenizer (tokenize.c): str, ident ("...", `...`, [...]),
+    comment, var (:name, @name, $name, ?NNN), word, op."""
+    out = []
+    i, n = 0, len(sql)
+    while i < n:
+        c = sql[i]
+        if c in _SPACE:
+            i += 1
+        elif c in "'\"`":
+            j = _quoted_end(sql, i, c, False)
+            if j < 0:
+                raise Unreadable("sqlite", f"the quoted text at character {i + 1} does not end")
+            out.append(("str" if c == "'" else "ident", i, j))
+            i = j
+        elif c == "[":
+            j = sql.find("]", i + 1)
+            if j < 0:
+                raise Unreadable("sqlite", f"the [name] at character {i + 1} does not end")
+            out.append(("ident", i, j + 1))
+            i = j + 1
+        elif c == "-" and sql.startswith("--", i):
+            j = sql.find("\n", i)
+            j = n if j < 0 else j
+            out.append(("comment", i, j))
+            i = j
+        elif c == "/" and sql.startswith("/*", i):
+            j = sql.find("*/", i + 2)
+            j = n if j < 0 else j + 2      # SQLite ends an unterminated comment at the end of the text
+            out.append(("comment", i, j))
+            i = j
+        elif c in ":@$#?":
+            j = i + 1
+            if c == "?":
+                while j < n and sql[j].isascii() and sql[j].isdigit():
+                    j += 1
+            else:
+                while j < n and _sqlite_idchar(sql[j]):
+                    j += 1
+            if c == ":" and j > i + 1:
+                out.append(("colon", i, i + 1))
+                out.append(("word", i + 1, j))
+            elif c != "#" or j > i + 1:
+                out.append(("var", i, j))
+            else:
+                out.append(("op", i, j))
+            i = j
+        elif _sqlite_idchar(c):
+            j = i + 1
+            while j < n and _sqlite_idchar(sql[j]):
+                j += 1
+            out.append(("word", i, j))
+            i = j
+        else:
+            out.append(("op", i, i + 1))
+            i += 1
+    return tuple(out)
+
+
+def _sqlite_markers(sql: str) -> tuple[tuple[int, int, str], ...]:
+    tokens = sqlite_tokens(sql)
+    for kind, a, b in tokens:
+        if kind == "var":
+            raise Unreadable("sqlite", f"SQLite reads {sql[a:b]!r} as a parameter; name parameters as :name")
+    markers = _markers_from(sql, tokens, "sqlite")
+    if len(markers) != sum(1 for t in tokens if t[0] == "colon"):
+        raise Unreadable("sqlite", "SQLite reads a :name right after a name or number as a parameter; put a "
+                                   "space before the ':'")
+    return markers
+
+
+# ---- ClickHouse (and the fallback): quotes, comments, :: ---------------------------------------------
+def _generic_markers(sql: str, dialect: str) -> list[tuple[int, int, str]]:
     out: list[tuple[int, int, str]] = []
     i, n = 0, len(sql)
     backslash = dialect in ("mysql", "clickhouse")
@@ -34,9 +301,6 @@ def scan_markers(sql: str, dialect: str = "postgres") -> list[tuple[int, int, st
             i = _skip_quoted(sql, i, c, backslash)
         elif c == '"' or c == "`":
             i = _skip_quoted(sql, i, c, False)
-        elif c == "[" and dialect == "sqlite":
-            j = sql.find("]", i + 1)
-            i = n if j < 0 else j + 1
         elif c == "-" and sql.startswith("--", i):
             j = sql.find("\n", i)
             i = n if j < 0 else j + 1
@@ -46,14 +310,6 @@ def scan_markers(sql: str, dialect: str = "postgres") -> list[tuple[int, int, st
         elif c == "/" and sql.startswith("/*", i):
             j = sql.find("*/", i + 2)
             i = n if j < 0 else j + 2
-        elif c == "$" and dialect == "postgres":
-            m = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*)?\$").match(sql, i)
-            if m and (i == 0 or not (sql[i - 1].isalnum() or sql[i - 1] == "_")):
-                tag = m.group(0)
-                j = sql.find(tag, m.end())
-                i = n if j < 0 else j + len(tag)
-            else:
-                i += 1
         elif c == ":":
             if sql.startswith("::", i):
                 i += 2
@@ -88,9 +344,17 @@ def _skip_quoted(sql: str, i: int, q: str, backslash: bool) -> int:
 
 
 def compile_sql(sql: str, dialect: str) -> tuple[str, tuple[str, ...]]:
-    """Driver-ready SQL with positional markers, and the parameter name bound at each position."""
+    """Driver-ready SQL with positional markers, and the parameter name bound at each position.
+
+    What each driver does with the text decides its form (the connectors execute it with the tuple of
+    values, empty when there are none): psycopg2 formats the text whenever it is given a tuple, so every
+    literal % is doubled, markers or not; mysql-connector replaces each %s in order and nothing else
+    (%% stays %%), so % is left alone and a %s outside a marker is split (% s, '..%' 's..') so that it is
+    not taken for one; sqlite3 binds ? itself."""
     markers = scan_markers(sql, dialect)
-    percent = dialect in ("postgres", "mysql", "clickhouse")  # pyformat drivers: a literal % must be doubled
+    if dialect == "mysql":
+        return _mysql_driver_sql(sql, markers), tuple(m[2] for m in markers)
+    percent = dialect == "postgres" or (dialect == "clickhouse" and bool(markers))
     mark = "?" if dialect == "sqlite" else "%s"
     parts: list[str] = []
     names: list[str] = []
@@ -102,10 +366,45 @@ def compile_sql(sql: str, dialect: str) -> tuple[str, tuple[str, ...]]:
         names.append(name)
         pos = end
     tail = sql[pos:]
-    parts.append(tail.replace("%", "%%") if percent and markers else tail)
-    if percent and not markers:
-        return sql, ()
+    parts.append(tail.replace("%", "%%") if percent else tail)
     return "".join(parts), tuple(names)
+
+
+def _mysql_driver_sql(sql: str, markers) -> str:
+    if not markers:
+        return sql          # no values: mysql-connector leaves the text alone
+    at = {m[0]: m for m in markers}
+    out = []
+    pos = 0
+    tokens = mysql_tokens(sql, True)
+    k = 0
+    while k < len(tokens):
+        kind, a, b = tokens[k]
+        out.append(sql[pos:a])   # whitespace between tokens
+        if a in at:
+            out.append("%s")
+            end = at[a][1]
+            while k < len(tokens) and tokens[k][1] < end:
+                k += 1
+            pos = end
+            continue
+        text = sql[a:b]
+        if "%s" in text:
+            if kind in ("str", "dq"):
+                q = text[0]
+                text = text.replace("%s", "%" + q + " " + q + "s")   # adjacent literals concatenate
+            elif kind == "ident":
+                raise Unreadable("mysql", f"the name {text} holds %s, which the driver would take for a "
+                                          "parameter")
+            else:
+                text = text.replace("%s", "% s")
+        elif text == "%" and sql.startswith("s", b):
+            text = "% "                                           # 7 %s1 (s1 a column): not a %s
+        out.append(text)
+        pos = b
+        k += 1
+    out.append(sql[pos:])
+    return "".join(out)
 
 
 def _around_markers(sql: str, dialect: str) -> tuple[list[str], tuple[str, ...]]:

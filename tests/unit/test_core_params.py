@@ -18,8 +18,12 @@ def test_scan_markers_postgres(sql, names):
 
 
 def test_scan_markers_mysql_backslash_and_hash_comment():
-    sql = "SELECT 'a\\' :no', `:no` FROM t # :no\n WHERE a = :a"
+    sql = "SELECT 'a\\\\' , 'b'':no', `:no` FROM t # :no\n WHERE a = :a"
     assert [m[2] for m in P.scan_markers(sql, "mysql")] == ["a"]
+    # 'a\' :no' ends after :no with backslash escapes, before it under NO_BACKSLASH_ESCAPES: refused
+    with pytest.raises(ApiError) as ei:
+        P.scan_markers("SELECT 'a\\' :no', `:no` FROM t # :no\n WHERE a = :a", "mysql")
+    assert ei.value.code == "invalid_sql" and "NO_BACKSLASH_ESCAPES" in ei.value.message
 
 
 def test_compile_positional_and_percent_escaped():
@@ -28,8 +32,12 @@ def test_compile_positional_and_percent_escaped():
     assert names == ("id", "id")
     sql, names = P.compile_sql("SELECT * FROM t WHERE id = :id", "sqlite")
     assert sql == "SELECT * FROM t WHERE id = ?" and names == ("id",)
-    # no markers: the text is left alone (no %% for a driver given no parameters)
-    assert P.compile_sql("SELECT '%' FROM t", "postgres") == ("SELECT '%' FROM t", ())
+    # no markers: psycopg2 still formats the text (the connector passes an empty tuple), so % is doubled;
+    # mysql-connector given no values leaves the text alone, and never undoubles %%
+    assert P.compile_sql("SELECT '%' FROM t", "postgres") == ("SELECT '%%' FROM t", ())
+    assert P.compile_sql("SELECT '%', 7 % 2 FROM t", "mysql") == ("SELECT '%', 7 % 2 FROM t", ())
+    assert P.compile_sql("SELECT '%', 7 % 2 FROM t WHERE a = :a", "mysql") == \
+        ("SELECT '%', 7 % 2 FROM t WHERE a = %s", ("a",))
 
 
 def test_neutralize():
