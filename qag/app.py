@@ -16,7 +16,7 @@ from typing import Any
 
 import falcon
 
-from qag import __version__, params as P, render
+from qag import __version__, formats, params as P, render
 from qag.connectors import QueryFailed
 from qag.errors import ApiError
 from qag.metrics import Observer
@@ -177,6 +177,8 @@ class DataResource:
                     for hk, hv in headers:
                         resp.set_header(hk, hv)
                     resp.set_header("X-Cache", "hit")
+                    if opts.format in formats.DOWNLOADS:
+                        resp.set_header("Content-Disposition", formats.disposition(plan.query, opts.format))
                     resp.content_type = render.FORMATS[opts.format]
                     resp.data = body
                     run["rows"], run["bytes"] = nrows, len(body)
@@ -197,7 +199,10 @@ class DataResource:
             t_exec = time.perf_counter()
             query_seconds = t_exec - t_bind
             if plan.transforms is not None:
+                typed = opts.format in formats.TYPED and formats.types_after_masking(cols, plan.transforms)
                 cols, rows = app.apply_transforms(plan.transforms, cols, rows, rt.mask_key, plan.names)
+                if typed:
+                    cols = formats.Columns(cols, typed)
             t_gov = time.perf_counter()
             if plan.is_write and not cols:
                 body = json.dumps({"affected_rows": count}).encode() if opts.format == "json" else b""
@@ -223,6 +228,8 @@ class DataResource:
             if cache_key is not None:
                 app.cache_result(cache_key, plan.cache_ttl, body, nrows, resp)
             resp.content_type = render.FORMATS[opts.format]
+            if opts.format in formats.DOWNLOADS:
+                resp.set_header("Content-Disposition", formats.disposition(plan.query, opts.format))
             resp.data = body
             run["rows"], run["bytes"] = nrows, len(body)
             resp.set_header("Server-Timing", SERVER_TIMING % (
@@ -251,7 +258,10 @@ class DataResource:
             def masked():
                 for b in batches:
                     yield app.apply_transforms(transforms, first_cols, b, key, plan.names)[1]
+            typed = opts.format in formats.TYPED and formats.types_after_masking(cols, transforms)
             cols = app.apply_transforms(transforms, cols, [], key, plan.names)[0]
+            if typed:
+                cols = formats.Columns(cols, typed)
             source = masked()
         else:
             source = batches
@@ -273,11 +283,15 @@ class DataResource:
                 run["rows"], run["bytes"], run["transport"] = counted["rows"], counted["bytes"], "stream"
                 app.finish(req, run, 200 if ok else 500, None if ok else "stream_aborted", t0, None, None)
         resp.content_type = render.FORMATS[opts.format]
+        resp.set_header("Content-Disposition", formats.disposition(plan.query, opts.format))
         resp.stream = body()
 
 
 SERVER_TIMING = ("auth;dur=%.3f, plan;dur=%.3f, bind;dur=%.3f, execute;dur=%.3f, govern;dur=%.3f, "
                  "render;dur=%.3f")
+
+
+FORMAT_NAMES = ", ".join(render.FORMATS)
 
 
 class CallOptions:
@@ -289,8 +303,9 @@ def call_options(given: dict, cfg) -> CallOptions:
     o = CallOptions()
     fmt = given.get("format", "json")
     if not isinstance(fmt, str) or fmt.lower() not in render.FORMATS:
-        raise ApiError(400, "invalid_format", f"format must be json, ndjson or csv, not {fmt!r}.")
+        raise ApiError(400, "invalid_format", f"format must be one of {FORMAT_NAMES}, not {fmt!r}.")
     o.format = fmt.lower()
+    formats.available(o.format)
     o.page = _int_opt(given, "page", 1, 1, None)
     o.page_size = _int_opt(given, "page_size", cfg.default_page_size, 1, cfg.max_page_size)
     v = given.get("version")
@@ -326,8 +341,9 @@ def call_options(given: dict, cfg) -> CallOptions:
     else:
         raise ApiError(400, "invalid_stream", "stream must be true or false.")
     if o.stream:
-        if o.format == "json":
-            raise ApiError(400, "invalid_stream", "stream=true needs format=csv or format=ndjson.")
+        if o.format not in render.STREAMERS:
+            raise ApiError(400, "invalid_stream", f"stream=true needs format={', '.join(render.STREAMERS)}; "
+                           f"{o.format} is not streamed.")
         if "page" in given or "page_size" in given:
             raise ApiError(400, "invalid_stream", "stream=true returns the whole result; leave out page and "
                            "page_size.")

@@ -13,6 +13,7 @@ import threading
 import time
 from typing import Any, Iterator
 
+from qag import formats
 from qag.errors import ApiError
 
 try:
@@ -202,7 +203,7 @@ class PostgresConnector(Connector):
                 if cur.description is None:
                     cols, rows = [], []
                 else:
-                    cols = [d[0] for d in cur.description]
+                    cols = formats.pg_columns(cur.description)
                     rows = cur.fetchall() if max_rows is None else cur.fetchmany(max_rows)
                 count = cur.rowcount
                 if write:
@@ -240,7 +241,7 @@ class PostgresConnector(Connector):
         try:
             cur.execute(sql, args)
             first = cur.fetchmany(batch)
-            cols = [d[0] for d in cur.description] if cur.description else []
+            cols = formats.pg_columns(cur.description) if cur.description else []
         except BaseException as exc:
             _rollback(conn)
             conn.autocommit = True
@@ -338,7 +339,7 @@ class MySQLConnector(Connector):
                 if cur.description is None:
                     cols, rows = [], []
                 else:
-                    cols = [d[0] for d in cur.description]
+                    cols = formats.mysql_columns(cur.description)
                     rows = cur.fetchall()
                     if max_rows is not None:
                         rows = rows[:max_rows]
@@ -375,7 +376,7 @@ class MySQLConnector(Connector):
         cur = conn.cursor(buffered=False)
         try:
             cur.execute(sql, args or None)
-            cols = [d[0] for d in cur.description] if cur.description else []
+            cols = formats.mysql_columns(cur.description) if cur.description else []
             first = cur.fetchmany(batch)
         except BaseException as exc:
             self.release(conn, False, broken=True)

@@ -1,4 +1,5 @@
-"""Rendering a result: JSON (an array of row objects in select-list order), NDJSON and CSV.
+"""Rendering a result: JSON (an array of row objects in select-list order), NDJSON and CSV here; TSV, XML, YAML,
+XLSX and Parquet in qag/formats.py.
 
 The text form of each value is fixed here and must stay byte-identical with the Rust plane's:
 ints and floats as JSON numbers (floats via repr), Decimal as a number (int when integral),
@@ -114,3 +115,13 @@ def stream_csv(columns: list[str], batches: Iterator[list[tuple]]) -> Iterator[b
 
 
 STREAMERS = {"ndjson": stream_ndjson, "csv": stream_csv}
+
+
+def _more_formats() -> None:
+    from qag import formats
+    FORMATS.update(formats.CONTENT_TYPES)
+    RENDERERS.update(formats.RENDERERS)
+    STREAMERS.update(formats.STREAMERS)
+
+
+_more_formats()

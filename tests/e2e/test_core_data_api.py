@@ -182,7 +182,7 @@ def test_1mb_parameter(srv, seeded):
 
 def test_400_format_paging(srv, seeded):
     k = seeded["bench"]
-    assert_error(call(srv, "/q/account?aid=1&format=xml", k), 400, "invalid_format")
+    assert_error(call(srv, "/q/account?aid=1&format=html", k), 400, "invalid_format")
     for bad in ("page=0", "page=x", "page_size=0", "page_size=1001", "page_size=abc"):
         assert_error(call(srv, f"/q/account?aid=1&{bad}", k), 400, "invalid_paging")
 

@@ -1,0 +1,353 @@
+"""The formats beyond JSON, NDJSON and CSV: TSV, XML, YAML, XLSX and Parquet, and the column types they need.
+
+TSV and XML are the standard library's; YAML (PyYAML), XLSX (openpyxl) and Parquet (pyarrow) are the optional
+extra `formats` (`pip install 'qag[formats]'`): a format whose library is missing is 501 `format_unavailable`
+naming the extra, never a 500. Values keep qag's normative text (qag/render.py) wherever a format carries text;
+XLSX and Parquet keep the value's own type: Parquet's schema comes from the cursor's column types
+(`ColumnTypes`), not from the values, except where the driver reports none (SQLite) or a value no longer has
+its column's type (a masked column is text).
+"""
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import decimal
+import io
+import json
+import re
+from typing import Iterator
+
+from qag.errors import ApiError
+
+EXTRA = "formats"
+
+# The neutral type names a connector reports per result column (None: the driver does not say).
+BOOL, INT, FLOAT, DECIMAL, TEXT, DATE, TIME, TIMESTAMP, TIMESTAMPTZ, BYTES, JSON, UUID = (
+    "bool", "int", "float", "decimal", "text", "date", "time", "timestamp", "timestamptz", "bytes", "json", "uuid")
+
+
+class Columns(list):
+    """A result's column names (a plain list to every reader) that also carries each column's neutral type."""
+
+    __slots__ = ("types",)
+
+    def __init__(self, names, types):
+        super().__init__(names)
+        self.types = list(types)
+
+
+# PostgreSQL type OIDs (pg_type.oid of the built-in types, stable across versions).
+_PG = {16: BOOL, 20: INT, 21: INT, 23: INT, 26: INT, 700: FLOAT, 701: FLOAT, 1700: DECIMAL, 25: TEXT, 1043: TEXT,
+       1042: TEXT, 18: TEXT, 19: TEXT, 1082: DATE, 1083: TIME, 1266: TIME, 1114: TIMESTAMP, 1184: TIMESTAMPTZ,
+       17: BYTES, 114: JSON, 3802: JSON, 2950: UUID}
+
+# MySQL/MariaDB protocol field types (mysql.connector.constants.FieldType).
+_MY = {1: INT, 2: INT, 3: INT, 8: INT, 9: INT, 13: INT, 16: INT, 4: FLOAT, 5: FLOAT, 0: DECIMAL, 246: DECIMAL,
+       10: DATE, 14: DATE, 11: TIME, 7: TIMESTAMP, 12: TIMESTAMP, 245: JSON, 15: TEXT, 253: TEXT, 254: TEXT,
+       247: TEXT, 248: TEXT}
+
+
+def pg_columns(description) -> Columns:
+    return Columns([d[0] for d in description], [_PG.get(d[1]) for d in description])
+
+
+def mysql_columns(description) -> Columns:
+    # BLOB and STRING types carry text or bytes by their charset: left to the value (None).
+    return Columns([d[0] for d in description], [_MY.get(d[1]) for d in description])
+
+
+def types_after_masking(cols, transforms) -> list | None:
+    """The column types of a masked result: a hashed or masked column is text, a dropped one is gone."""
+    types = getattr(cols, "types", None)
+    if types is None:
+        return None
+    if transforms is None:
+        return list(types)
+    out = []
+    for i, t in enumerate(transforms):
+        if t == "drop":
+            continue
+        ty = types[i] if i < len(types) else None
+        out.append(TEXT if t in ("hash", "mask") else ty)
+    return out
+
+
+def _need(module: str, fmt: str):
+    try:
+        return __import__(module, fromlist=["_"])
+    except ImportError:
+        raise ApiError(501, "format_unavailable", f"format={fmt} needs the optional extra '{EXTRA}' on the server "
+                       f"(pip install 'qag[{EXTRA}]'); ask an administrator, or use json, ndjson or csv.") from None
+
+
+def available(fmt: str) -> None:
+    """Raise 501 format_unavailable before anything runs when fmt's library is missing."""
+    mod = {"yaml": "yaml", "xlsx": "openpyxl", "parquet": "pyarrow.parquet"}.get(fmt)
+    if mod is not None:
+        _need(mod, fmt)
+
+
+# -- text forms ----------------------------------------------------------------------------------------------
+def _plain(v):
+    """A value as the JSON renderer writes it, as a Python value (str, int, float, bool, None, list, dict)."""
+    from qag.render import _default
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (list, dict)):
+        return v
+    return _default(v)
+
+
+def _text(v) -> str:
+    from qag.render import _csv_value
+    t = _csv_value(v)
+    return t if isinstance(t, str) else repr(t) if isinstance(t, float) else str(t)
+
+
+# -- TSV -----------------------------------------------------------------------------------------------------
+def _tsv_writer(buf):
+    return csv.writer(buf, delimiter="\t", lineterminator="\r\n")
+
+
+def render_tsv(columns, rows) -> bytes:
+    from qag.render import _csv_value
+    buf = io.StringIO()
+    w = _tsv_writer(buf)
+    w.writerow(columns)
+    for r in rows:
+        w.writerow([_csv_value(v) for v in r])
+    return buf.getvalue().encode("utf-8")
+
+
+def stream_tsv(columns, batches) -> Iterator[bytes]:
+    from qag.render import _csv_value
+    buf = io.StringIO()
+    w = _tsv_writer(buf)
+    w.writerow(columns)
+    yield buf.getvalue().encode("utf-8")
+    for batch in batches:
+        buf.seek(0)
+        buf.truncate()
+        for r in batch:
+            w.writerow([_csv_value(v) for v in r])
+        if batch:
+            yield buf.getvalue().encode("utf-8")
+
+
+# -- XML -----------------------------------------------------------------------------------------------------
+_XML_BAD = re.compile("[^\u0009\u000a\u000d\u0020-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+_NAME_BAD = re.compile(r"[^\w.\-]")
+
+
+def _xml_tag(name: str) -> str:
+    tag = _NAME_BAD.sub("_", str(name)) or "_"
+    if not re.match(r"[A-Za-z_]", tag) or tag.lower().startswith("xml"):
+        tag = "_" + tag
+    return tag
+
+
+def _xml_text(v) -> str:
+    from xml.sax.saxutils import escape
+    return escape(_XML_BAD.sub("\ufffd", _text(v)))
+
+
+def render_xml(columns, rows) -> bytes:
+    """`<data><item><col>text</col>…</item>…</data>` (QueryAPIGate's shape); a NULL is an element with `null="true"`."""
+    tags = [_xml_tag(c) for c in columns]
+    out = ['<?xml version="1.0" encoding="UTF-8"?>\n<data>']
+    for r in rows:
+        out.append("<item>")
+        for tag, v in zip(tags, r):
+            if v is None:
+                out.append(f'<{tag} null="true"/>')
+            else:
+                out.append(f"<{tag}>{_xml_text(v)}</{tag}>")
+        out.append("</item>")
+    out.append("</data>\n")
+    return "".join(out).encode("utf-8")
+
+
+# -- YAML ----------------------------------------------------------------------------------------------------
+def render_yaml(columns, rows) -> bytes:
+    yaml = _need("yaml", "yaml")
+    docs = [dict(zip(columns, (_plain(v) for v in r))) for r in rows]
+    return yaml.safe_dump(docs, default_flow_style=False, sort_keys=False, allow_unicode=True).encode("utf-8")
+
+
+# -- XLSX ----------------------------------------------------------------------------------------------------
+def _xlsx_value(v):
+    from openpyxl.cell.cell import ILLEGAL_CHARACTERS_RE
+    if v is None or isinstance(v, (bool, int, float)):
+        if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 2 ** 53:
+            return str(v)  # Excel keeps 15 significant digits: a bigger integer is kept exactly as text
+        return v
+    if isinstance(v, decimal.Decimal):
+        return float(v) if abs(v) < 1e15 else str(v)
+    if isinstance(v, _dt.datetime):
+        if v.tzinfo is not None:
+            v = v.astimezone(_dt.timezone.utc).replace(tzinfo=None)  # Excel has no time zones: UTC, said in docs
+        return v
+    if isinstance(v, (_dt.date, _dt.time)):
+        return v.replace(tzinfo=None) if isinstance(v, _dt.time) else v
+    t = _text(v)
+    return ILLEGAL_CHARACTERS_RE.sub("", t)
+
+
+def render_xlsx(columns, rows) -> bytes:
+    openpyxl = _need("openpyxl", "xlsx")
+    wb = openpyxl.Workbook(write_only=True)
+    ws = wb.create_sheet("result")
+    ws.append([str(c) for c in columns])
+    for r in rows:
+        ws.append([_xlsx_value(v) for v in r])
+    buf = io.BytesIO()
+    wb.save(buf)
+    return buf.getvalue()
+
+
+# -- Parquet -------------------------------------------------------------------------------------------------
+ROW_GROUP_ROWS = 8192
+
+
+def _arrow_type(pa, ty):
+    return {BOOL: pa.bool_(), INT: pa.int64(), FLOAT: pa.float64(), TEXT: pa.string(), DATE: pa.date32(),
+            TIME: pa.time64("us"), TIMESTAMP: pa.timestamp("us"), TIMESTAMPTZ: pa.timestamp("us", tz="UTC"),
+            BYTES: pa.binary(), JSON: pa.string(), UUID: pa.string()}.get(ty)
+
+
+def _arrow_values(ty, values):
+    if ty in (JSON,):
+        return [None if v is None else v if isinstance(v, str) else json.dumps(_plain(v), ensure_ascii=False,
+                                                                              separators=(",", ":"))
+                for v in values]
+    if ty in (UUID, TEXT):
+        return [None if v is None else v if isinstance(v, str) else _text(v) for v in values]
+    if ty == TIME:
+        return [v.replace(tzinfo=None) if isinstance(v, _dt.time) else v for v in values]
+    if ty == BYTES:
+        return [bytes(v) if isinstance(v, (bytearray, memoryview)) else v for v in values]
+    return values
+
+
+def _column(pa, ty, values):
+    """One Arrow column: the declared type when the values fit it, else the values' own, else text."""
+    at = _arrow_type(pa, ty) if ty != DECIMAL else None
+    if at is not None:
+        try:
+            return pa.array(_arrow_values(ty, values), type=at)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
+            pass
+    try:
+        arr = pa.array(values)
+        if not pa.types.is_null(arr.type) or ty is None:
+            return arr
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
+        pass
+    return pa.array([None if v is None else _text(v) for v in values], type=pa.string())
+
+
+def _table(pa, columns, rows, types, schema=None):
+    names = [str(c) for c in columns]
+    cols = list(zip(*rows)) if rows else [() for _ in names]
+    if schema is not None:
+        arrays = []
+        for i, f in enumerate(schema):
+            vals = list(cols[i])
+            try:
+                arrays.append(pa.array(_arrow_values(types[i] if types else None, vals), type=f.type))
+            except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
+                arrays.append(pa.array([None if v is None else _text(v) for v in vals]).cast(f.type, safe=False)
+                              if pa.types.is_string(f.type) else pa.nulls(len(vals), f.type))
+        return pa.Table.from_arrays(arrays, schema=schema)
+    arrays = [_column(pa, types[i] if types and i < len(types) else None, list(cols[i])) for i in range(len(names))]
+    # Unique field names: Parquet readers key columns by name (SELECT a.id, b.id).
+    seen: dict[str, int] = {}
+    fields = []
+    for n, a in zip(names, arrays):
+        seen[n] = seen.get(n, 0) + 1
+        fields.append(pa.field(n if seen[n] == 1 else f"{n}_{seen[n]}", a.type))
+    return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
+
+
+def render_parquet(columns, rows, types=None) -> bytes:
+    pq = _need("pyarrow.parquet", "parquet")
+    types = types if types is not None else getattr(columns, "types", None)
+    import pyarrow as pa
+    buf = io.BytesIO()
+    pq.write_table(_table(pa, columns, rows, types), buf)
+    return buf.getvalue()
+
+
+class _Sink(io.RawIOBase):
+    """A write-only file for ParquetWriter whose bytes are taken out after each row group."""
+
+    def __init__(self):
+        self.parts: list[bytes] = []
+        self.pos = 0
+
+    def writable(self):
+        return True
+
+    def write(self, b):
+        self.parts.append(bytes(b))
+        self.pos += len(b)
+        return len(b)
+
+    def tell(self):
+        return self.pos
+
+    def take(self) -> bytes:
+        out = b"".join(self.parts)
+        self.parts.clear()
+        return out
+
+
+def stream_parquet(columns, batches, types=None) -> Iterator[bytes]:
+    """Row groups of up to ROW_GROUP_ROWS rows as the cursor delivers them: memory stays one group's worth.
+    The schema is fixed by the first group (the cursor's types where known)."""
+    pq = _need("pyarrow.parquet", "parquet")
+    types = types if types is not None else getattr(columns, "types", None)
+    import pyarrow as pa
+    sink = _Sink()
+    writer = None
+    pending: list = []
+
+    def flush():
+        nonlocal writer
+        t = _table(pa, columns, pending, types, writer.schema if writer is not None else None)
+        if writer is None:
+            writer = pq.ParquetWriter(sink, t.schema)
+        writer.write_table(t)
+        pending.clear()
+
+    for batch in batches:
+        pending.extend(batch)
+        if len(pending) >= ROW_GROUP_ROWS:
+            flush()
+            chunk = sink.take()
+            if chunk:
+                yield chunk
+    if pending or writer is None:
+        flush()
+    writer.close()
+    chunk = sink.take()
+    if chunk:
+        yield chunk
+
+
+CONTENT_TYPES = {"tsv": "text/tab-separated-values; charset=utf-8", "xml": "application/xml; charset=utf-8",
+                 "yaml": "application/yaml; charset=utf-8",
+                 "xlsx": "application/vnd.openxmlformats-officedocument.spreadsheetml.sheet",
+                 "parquet": "application/vnd.apache.parquet"}
+RENDERERS = {"tsv": render_tsv, "xml": render_xml, "yaml": render_yaml, "xlsx": render_xlsx,
+             "parquet": render_parquet}
+STREAMERS = {"tsv": stream_tsv, "parquet": stream_parquet}
+TYPED = frozenset(("parquet",))  # renderers that take the column types
+# Answers a browser should save rather than show: files by nature, and every stream.
+DOWNLOADS = frozenset(("csv", "tsv", "xlsx", "parquet"))
+
+
+def disposition(query: str, fmt: str) -> str:
+    safe = re.sub(r'[^A-Za-z0-9._-]', "_", query) or "result"
+    return f'attachment; filename="{safe}.{fmt}"'
+
