@@ -391,7 +391,8 @@ class QagApp:
         self.falcon.add_error_handler(falcon.HTTPError, self._on_http_error)
         self.falcon.add_error_handler(ApiError, self._on_api_error)
         self.falcon.add_route(DataResource.ROUTE, DataResource(self))
-        from qag.api import manage, ops, runs
+        from qag.api import catalog, manage, ops, runs
+        catalog.register(self)
         manage.register(self)
         ops.register(self)
         runs.register(self)

@@ -85,6 +85,15 @@ STATIC_PATHS = {
     "/events": {"get": {"summary": "Server-Sent Events of runs", "security": [{"apiKey": []}],
                         "responses": {"200": {"description": "text/event-stream"}}}},
     "/-/shm": {"get": _admin_op("The shared segment's state")},
+    "/catalog": {"get": {"summary": "The saved queries this caller may run, with parameters, formats and masking",
+                         "security": [{"apiKey": []}],
+                         "responses": {"200": {"description": "items"}, "401": _err("Unauthorized")}}},
+    "/connections/{name}/schema": {
+        "parameters": [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}],
+        "get": {"summary": "Tables and columns of a granted connection, as this caller's grants see them",
+                "security": [{"apiKey": []}],
+                "responses": {"200": {"description": "tables"}, "401": _err("Unauthorized"),
+                              "403": _err("Connection not granted")}}},
 }
 
 

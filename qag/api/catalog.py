@@ -1,0 +1,128 @@
+"""The caller's discovery routes: `GET /catalog` (the queries this caller may run) and
+`GET /connections/{name}/schema` (a granted connection's tables and columns, as this caller's grants see them).
+
+Reachability is decided exactly as `/q` decides it: the same grant rule and the same plan, so a query listed here
+is one the caller can run, with the masking its plan applies; a query governance refuses for this caller is not
+listed. Nothing here runs a saved statement.
+"""
+from __future__ import annotations
+
+from qag import formats as F, render
+from qag.errors import ApiError
+
+_SYSTEM_SCHEMAS = {"pg_catalog", "information_schema", "pg_toast", "mysql", "performance_schema", "sys", "system",
+                   "INFORMATION_SCHEMA"}
+
+
+def _principal(app, req):
+    from qag.app import client_addr
+    return app.runtime.authenticate(req.get_header("X-API-Key"), client_addr(req))
+
+
+def _formats() -> list[str]:
+    out = []
+    for f in render.FORMATS:
+        try:
+            F.available(f)
+        except ApiError:
+            continue
+        out.append(f)
+    return out
+
+
+class Catalog:
+    ROUTE = "/catalog"
+
+    def __init__(self, app):
+        self.app = app
+
+    def on_get(self, req, resp):
+        from qag.runtime import _granted
+        rt = self.app.runtime
+        principal = _principal(self.app, req)
+        fmts = _formats()
+        items = []
+        for q in rt.store.list_queries():
+            if q["published_version"] is None:
+                continue
+            if not principal.admin and not _granted(principal.key, q):
+                continue
+            try:
+                plan, _, _ = rt.plan(principal, q["name"], None)
+            except ApiError as err:
+                if err.status in (400, 403, 404):
+                    continue  # governance refuses it for this caller, or it is gone: not runnable
+                plan = None   # the database is unreachable now: listed, without what only a plan knows
+            v = rt.version(q["name"], q["published_version"], rt.query(q["name"])[1]) or {}
+            masking = []
+            if plan is not None and plan.transforms is not None:
+                names = plan.names or ()
+                for i, action in enumerate(plan.transforms):
+                    if action is not None:
+                        masking.append({"position": i + 1, "column": names[i] if i < len(names) else None,
+                                        "action": action})
+            items.append({
+                "name": q["name"], "description": q.get("description") or "", "version": q["published_version"],
+                "connection_name": q["connection_name"], "parameters": v.get("parameters") or {},
+                "formats": fmts, "stream_formats": [f for f in render.STREAMERS if f in fmts],
+                "cache_ttl": q.get("cache_ttl"),
+                "writes": None if plan is None else bool(plan.is_write),
+                "masking": None if plan is None else masking,
+                "path": f"/q/{q['name']}"})
+        resp.media = {"items": items, "next_cursor": None}
+
+
+class Schema:
+    ROUTE = "/connections/{name}/schema"
+
+    def __init__(self, app):
+        self.app = app
+
+    def on_get(self, req, resp, name):
+        from qag.governance import plan as gplan, tables as gtables
+        rt = self.app.runtime
+        principal = _principal(self.app, req)
+        grants = {} if principal.admin else (principal.key.get("grants") or {})
+        granted = principal.admin or name in (grants.get("connections") or []) or "*" in (grants.get("connections")
+                                                                                          or [])
+        if not granted:
+            # Unknown and ungranted answer alike for a scoped key: no oracle for connection names.
+            raise ApiError(403, "connection_forbidden", f"This key is not granted a connection named '{name}'.")
+        crow, connector, _ = rt.connection(name)
+        if crow is None or connector is None:
+            raise ApiError(404, "connection_not_found", f"There is no connection named '{name}'.")
+        if not crow["active"]:
+            raise ApiError(502, "connection_failed", f"The connection '{name}' is inactive.")
+        dialect = crow["db"]
+        default_schema = connector.default_schema()
+        allowed = grants.get("allowed_tables")
+        allow = gtables.parse_allowed(allowed, dialect, default_schema) if allowed else None
+        rules = gplan.parse_rules(grants.get("mask") or [])
+        catalog = connector.introspect()
+        tables = []
+        for (schema, table), cols in sorted(catalog.items()):
+            if schema in _SYSTEM_SCHEMAS or schema.startswith("pg_temp") or schema.startswith("pg_toast"):
+                continue
+            if allow is not None and gtables.forbidden_tables([(schema, table)], allow):
+                continue
+            out_cols = []
+            for c in cols:
+                action = None
+                for rule in rules:
+                    if rule.matches_table(schema, table) and rule.matches_column(c):
+                        action = _stricter(action, rule.action)
+                out_cols.append({"name": c, "masked": action is not None, "mask": action})
+            tables.append({"schema": schema, "name": table, "columns": out_cols})
+        resp.media = {"connection": name, "db": dialect, "default_schema": default_schema, "tables": tables}
+
+
+_STRICT = {None: 0, "hash": 1, "mask": 2, "null": 3, "drop": 4}
+
+
+def _stricter(a, b):
+    return a if _STRICT.get(a, 0) >= _STRICT.get(b, 0) else b
+
+
+def register(app) -> None:
+    app.falcon.add_route(Catalog.ROUTE, Catalog(app))
+    app.falcon.add_route(Schema.ROUTE, Schema(app))
