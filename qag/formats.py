@@ -15,7 +15,7 @@ import decimal
 import io
 import json
 import re
-from typing import Iterator
+from collections.abc import Iterator
 
 from qag.errors import ApiError
 
@@ -185,7 +185,7 @@ def _xlsx_value(v):
         return float(v) if abs(v) < 1e15 else str(v)
     if isinstance(v, _dt.datetime):
         if v.tzinfo is not None:
-            v = v.astimezone(_dt.timezone.utc).replace(tzinfo=None)  # Excel has no time zones: UTC, said in docs
+            v = v.astimezone(_dt.UTC).replace(tzinfo=None)  # Excel has no time zones: UTC, said in docs
         return v
     if isinstance(v, (_dt.date, _dt.time)):
         return v.replace(tzinfo=None) if isinstance(v, _dt.time) else v

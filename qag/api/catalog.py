@@ -7,7 +7,8 @@ listed. Nothing here runs a saved statement.
 """
 from __future__ import annotations
 
-from qag import formats as F, render
+from qag import formats as F
+from qag import render
 from qag.errors import ApiError
 
 _SYSTEM_SCHEMAS = {"pg_catalog", "information_schema", "pg_toast", "mysql", "performance_schema", "sys", "system",
@@ -79,7 +80,8 @@ class Schema:
         self.app = app
 
     def on_get(self, req, resp, name):
-        from qag.governance import plan as gplan, tables as gtables
+        from qag.governance import plan as gplan
+        from qag.governance import tables as gtables
         rt = self.app.runtime
         principal = _principal(self.app, req)
         grants = {} if principal.admin else (principal.key.get("grants") or {})
