@@ -5,7 +5,7 @@
 //! repeated names, very long values, a pattern the `regex` crate reads differently) yields `Forward`.
 
 use crate::msgpack::Value;
-use crate::pyfmt::{float_g, float_repr, json_str, str_repr};
+use crate::pyfmt::{float_g, float_repr, json_str};
 
 /// A JSON-able extra of an error body.
 #[derive(Debug, Clone, PartialEq)]
@@ -464,10 +464,8 @@ pub fn call_options(given: &[(String, String)], default_page_size: i64, max_page
             "json" => Format::Json,
             "ndjson" => Format::Ndjson,
             "csv" => Format::Csv,
-            _ => {
-                let r = str_repr(f).ok_or(Outcome::Forward("format needs Python's repr"))?;
-                return Err(ApiError::new(400, "invalid_format", format!("format must be json, ndjson or csv, not {r}.")).into());
-            }
+            // Every other format (tsv, xml, yaml, xlsx, parquet) and every bad one are Python's to render or refuse.
+            _ => return Err(Outcome::Forward("format rendered by Python")),
         },
     };
     let page = int_opt(given, "page", 1, 1, None)?;
@@ -649,7 +647,8 @@ mod tests {
             Err(Outcome::Error(e)) => String::from_utf8(e.body("r")).unwrap(),
             other => panic!("{other:?}"),
         };
-        assert_eq!(e("format=xml"), r#"{"error": "format must be json, ndjson or csv, not 'xml'.", "code": "invalid_format", "request_id": "r"}"#);
+        assert!(matches!(call_options(&q("format=xml"), 10, 1000), Err(Outcome::Forward(_))), "Python renders xml");
+        assert!(matches!(call_options(&q("format=bogus"), 10, 1000), Err(Outcome::Forward(_))), "Python refuses it");
         assert_eq!(e("page=0"), r#"{"error": "page must be at least 1.", "code": "invalid_paging", "request_id": "r"}"#);
         assert_eq!(e("page_size=1001"), r#"{"error": "page_size must be between 1 and 1000.", "code": "invalid_paging", "request_id": "r"}"#);
         assert_eq!(e("page=1.5"), r#"{"error": "page must be an integer.", "code": "invalid_paging", "request_id": "r"}"#);

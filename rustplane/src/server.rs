@@ -449,6 +449,16 @@ async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Option<IpAddr>)
     h.insert("x-page-size", num(opts.page_size));
     h.insert("x-row-count", num(nrows as i64));
     h.insert("x-has-more", HeaderValue::from_static(if has_more { "true" } else { "false" }));
+    if opts.format == Format::Csv {
+        // Python's formats.disposition(): a CSV answer is a download, named for its query.
+        let mut safe: String = name.chars().map(|c| if c.is_ascii_alphanumeric() || "._-".contains(c) { c } else { '_' }).collect();
+        if safe.is_empty() {
+            safe.push_str("result");
+        }
+        if let Ok(v) = HeaderValue::from_str(&format!("attachment; filename=\"{safe}.csv\"")) {
+            h.insert("content-disposition", v);
+        }
+    }
     if let Ok(v) = HeaderValue::from_str(&timing) {
         h.insert("server-timing", v);
     }

@@ -117,7 +117,7 @@ def _random_path(rnd: random.Random) -> str:
         if rnd.random() < 0.5:
             p.append(("greeting", rnd.choice(["hi", "hello there, you", "ça va", "a,b\"c"])))
     if rnd.random() < 0.5:
-        p.append(("format", rnd.choice(["json", "ndjson", "csv", "CSV", "xml"])))
+        p.append(("format", rnd.choice(["json"] * 4 + ["ndjson"] * 3 + ["csv"] * 3 + ["CSV"] * 2 + ["xml", "tsv", "yaml", "bogus"])))
     if rnd.random() < 0.3:
         p.append(("page", rnd.choice(["1", "2", "3", "0", "x", "40"])))
     if rnd.random() < 0.3:
