@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: test venv lint vectors bench-smoke docs oha
+.PHONY: test venv lint vectors bench-smoke docs oha browser
 
 venv:
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -11,10 +11,17 @@ venv:
 
 OHA_VERSION := 1.16.0
 
-test: venv
+test: venv browser
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests/ -q -p no:cacheprovider
 	if [ -f rustplane/Cargo.toml ] && command -v cargo >/dev/null; then cd rustplane && cargo test --release -q; fi
 	$(MAKE) bench-smoke
+
+# The Console's browser tests drive Debian's Chromium through its chromedriver (nothing downloads a browser).
+browser:
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		{ command -v apt-get >/dev/null && { [ "$$(id -u)" = 0 ] && S= || S=sudo; \
+		  $$S apt-get update -q && $$S DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; } ; } || \
+		echo "chromium not installed: the Console's browser tests will be skipped"
 
 # The benchmark harness's smoke run: every block for a few seconds against the peer, qag, the plane and the
 # floors; it checks completion and zero non-2xx, never speed. oha is the load generator (crates.io).

@@ -153,7 +153,9 @@ class DataResource:
         query_seconds = None
         plan_hit = None
         try:
-            principal = rt.authenticate(req.get_header("X-API-Key"), client_addr(req))
+            # The Console's "try it" calls in-process as its signed-in administrator (qag/console: PRINCIPAL_ENV).
+            principal = req.env.get("qag.console_principal") or rt.authenticate(req.get_header("X-API-Key"),
+                                                                                client_addr(req))
             run["key_name"] = None if principal.admin else principal.name
             rt.check_rate(principal)
             opts = call_options(given, app.cfg)
@@ -391,8 +393,10 @@ class QagApp:
         self.falcon.add_error_handler(falcon.HTTPError, self._on_http_error)
         self.falcon.add_error_handler(ApiError, self._on_api_error)
         self.falcon.add_route(DataResource.ROUTE, DataResource(self))
+        from qag import console
         from qag.api import catalog, manage, ops, runs
         catalog.register(self)
+        console.register(self)
         manage.register(self)
         ops.register(self)
         runs.register(self)

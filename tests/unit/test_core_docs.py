@@ -24,7 +24,9 @@ def test_every_route_in_openapi(tmp_path):
                 routes.add(n.uri_template)
             walk(n.children)
     walk(app.falcon._router._roots)
-    missing = routes - set(static_paths()) - set(DOC_ASSET_ROUTES)
+    from qag import console
+    # the Console's own pages and files are HTML behind its sign-in, not API operations: /console stands for them
+    missing = routes - set(static_paths()) - set(DOC_ASSET_ROUTES) - set(console.ROUTES[1:])
     assert not missing, f"routes missing from /openapi.json: {sorted(missing)}"
 
 

@@ -230,7 +230,7 @@ def test_runtime_stage_copies_exactly_the_package_build_inputs():
                 assert f.strip() in sources, f"setup.cfg reads {f.strip()}, which the image does not copy"
     for pkg, globs in cp["options.package_data"].items():
         for g in (x.strip() for x in globs.split(",")):
-            assert list((ROOT / pkg).glob(g)), f"package_data {pkg}/{g} matches nothing"
+            assert list((ROOT / pkg.replace(".", "/")).glob(g)), f"package_data {pkg}/{g} matches nothing"
 
 
 @pytest.mark.xfail(condition=not (ROOT / "qag" / "api" / "__init__.py").exists(), strict=True,
