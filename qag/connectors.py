@@ -153,6 +153,12 @@ class Connector:
         functions but qag's) and ClickHouse have none to report."""
         return set()
 
+    def views(self) -> dict[tuple[str, str], str | None]:
+        """{(schema, view): its definition} (issue 12, class 5): governance expands a view a key with an
+        allow-list or masking rules reads into what it reads; None or "" (a definition this account may not
+        see) is refused."""
+        return {}
+
 
 class _Stale(Exception):
     pass
@@ -292,6 +298,16 @@ class PostgresConnector(Connector):
             (), write=False, timeout=None, max_rows=None)
         return {(s, n) for s, n in rows}
 
+    def views(self):
+        # Views and materialized views outside the catalogs; each definition is deparsed with search_path set
+        # to pg_catalog for that statement only (set_config(..., true)), so every other name in it is qualified.
+        _, rows, _ = self.run(
+            "SELECT n.nspname, c.relname, (SELECT pg_get_viewdef(c.oid) FROM "
+            "(SELECT set_config('search_path', 'pg_catalog', true)) s) FROM pg_class c "
+            "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.relkind IN ('v', 'm') "
+            "AND n.nspname NOT IN ('pg_catalog', 'information_schema')", (), write=False, timeout=None, max_rows=None)
+        return {(s, n): d for s, n, d in rows}
+
 
 # ---------------------------------------------------------------------------------------------
 class MySQLConnector(Connector):
@@ -424,6 +440,14 @@ class MySQLConnector(Connector):
             pass
         return out
 
+    def views(self):
+        # VIEW_DEFINITION names every table with its database; it is empty when this account may not see it.
+        _, rows, _ = self.run(
+            "SELECT TABLE_SCHEMA, TABLE_NAME, VIEW_DEFINITION FROM information_schema.VIEWS "
+            "WHERE TABLE_SCHEMA NOT IN ('information_schema', 'mysql', 'performance_schema', 'sys')",
+            (), write=False, timeout=None, max_rows=None)
+        return {(s, n): d for s, n, d in rows}
+
 
 # ---------------------------------------------------------------------------------------------
 class SQLiteConnector(Connector):
@@ -516,6 +540,12 @@ class SQLiteConnector(Connector):
                                   timeout=None, max_rows=None)
             out[("main", t.lower())] = [c[0] for c in cols]
         return out
+
+    def views(self):
+        # sqlite_master keeps each view's CREATE VIEW statement as written
+        _, rows, _ = self.run("SELECT name, sql FROM sqlite_master WHERE type = 'view'", (), write=False,
+                              timeout=None, max_rows=None)
+        return {("main", n): d for n, d in rows}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -93,7 +93,7 @@ def page_mode(sql: str, dialect: str) -> str:
 
 
 def build(*, key: dict | None, query: dict, version: dict, connection: dict, connector, cfg, gens: tuple,
-          columns_of, functions_of=None) -> Plan:
+          columns_of, functions_of=None, views_of=None) -> Plan:
     """Build a plan; raise ApiError for anything governance refuses (decided here, once)."""
     dialect = connection["db"]
     sql = strip_sql(version["sql"])
@@ -127,7 +127,8 @@ def build(*, key: dict | None, query: dict, version: dict, connection: dict, con
                 key_allows_writes=bool(grants.get("allow_writes")) if key else True,
                 allowed_write_ops=grants.get("allowed_write_ops") if key else None,
                 allow_unsafe=bool(version.get("allow_unsafe")),
-                columns_of=columns_of, functions_of=functions_of)
+                columns_of=columns_of, functions_of=functions_of, views_of=views_of,
+                trusted_functions=tuple((connection.get("options") or {}).get("trusted_functions") or ()))
         except governance.GovernanceError as exc:
             raise ApiError(exc.status, exc.code, exc.message, exc.extra) from None
         plan.is_write = gp.is_write

@@ -65,6 +65,7 @@ class Runtime:
         self._plans: dict[tuple, Any] = {}
         self._schemas: dict[str, tuple] = {}
         self._functions: dict[str, tuple] = {}  # connection -> (generation, its user-defined functions)
+        self._views: dict[str, tuple] = {}      # connection -> (generation, {(schema, view): definition})
         self._admins: dict[str, tuple] = {}
         self._lock = threading.Lock()
         self._mask_key: bytes | None = None
@@ -262,6 +263,18 @@ class Runtime:
             return cached[1]
         return functions_of
 
+    def views_of_factory(self, conn_name: str, connector, gen: int):
+        """A lazy `views_of()`: the connection's views and their definitions ({(schema, name): text}), read once
+        per generation and only when a plan for a key with an allow-list or masking rules reads a relation."""
+        def views_of():
+            cached = self._views.get(conn_name)
+            if cached is None or cached[0] != gen:
+                read = getattr(connector, "views", None)
+                cached = (gen, dict(read()) if read is not None else {})
+                self._views[conn_name] = cached
+            return cached[1]
+        return views_of
+
     def plan(self, principal: Principal, query_name: str, version_no: int | None):
         """The plan for this caller and query, from cache when every generation still matches."""
         qrow, qgen = self.query(query_name)
@@ -301,7 +314,8 @@ class Runtime:
                            f"The connection '{crow['name']}' is inactive; an administrator must reactivate it.")
         p = plan_mod.build(key=principal.key, query=qrow, version=vrow, connection=crow, connector=connector,
                            cfg=self.cfg, gens=gens, columns_of=self.columns_of_factory(crow["name"], connector, cgen),
-                           functions_of=self.functions_of_factory(crow["name"], connector, cgen))
+                           functions_of=self.functions_of_factory(crow["name"], connector, cgen),
+                           views_of=self.views_of_factory(crow["name"], connector, cgen))
         if self.gens is not None:
             if len(self._plans) > 10000:
                 self._plans.clear()

@@ -130,10 +130,20 @@ def validate_connection(body: dict, partial: bool = False) -> dict:
         if body["options"] is not None and not isinstance(body["options"], dict):
             raise _type_error("options", "an object")
         out["options"] = body["options"] or {}
+        _check_trusted_functions(out["options"])
     if not partial and out.get("db") == "sqlite" and not out.get("database"):
         raise ApiError(400, "field_required", "A sqlite connection needs database: the path of its file.",
                        {"fields": ["database"]})
     return out
+
+
+def _check_trusted_functions(options: dict) -> None:
+    """options.trusted_functions (issue 12): functions governed keys may call beyond the dialect's allow-list."""
+    from qag.governance.functions import parse_trusted
+    try:
+        parse_trusted(options.get("trusted_functions"))
+    except ValueError as exc:
+        raise ApiError(400, "invalid_field", f"{exc}.", {"field": "options.trusted_functions"}) from None
 
 
 class Connections:

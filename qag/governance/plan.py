@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
-from .analysis import analyze, called_functions, canonical_dialect
+from sqlglot import exp
+
+from .analysis import analyze, called_functions, canonical_dialect, func_name, normalize_identifier
 from .errors import GovernanceError
+from .functions import Trust, allow_list
 from .lineage import Lineage, Unknown
-from .tables import default_schema_for, forbidden_tables, parse_allowed, resolve, split_name, table_text
+from .tables import default_schema_for, forbidden_tables, normalize_text, parse_allowed, resolve, split_name, table_text
 from .transforms import ACTIONS, STRICTNESS
 
 _PLAN_VERSION = 1
@@ -126,24 +130,42 @@ def parse_rules(mask_rules) -> list[MaskRule]:
 
 def plan_governance(*, sql: str, dialect: str, default_schema: str, allowed_tables, mask_rules,
                     server_allows_writes: bool, key_allows_writes: bool, allowed_write_ops,
-                    allow_unsafe: bool, columns_of, functions_of=None) -> GovernedPlan:
+                    allow_unsafe: bool, columns_of, functions_of=None, trusted_functions=(),
+                    views_of=None) -> GovernedPlan:
     """Decide once whether the statement may run for this key and how each output column is masked.
-    Checks in this order: unsafe functions, writes (server, key, op), tables, masking.
-    functions_of() (optional): the database's user-defined functions as (schema, name) pairs; a key limited
-    by allowed_tables or masking rules may not call one (its body may read any table)."""
+    Checks in this order: unsafe functions, writes (server, key, op), functions, tables, masking.
+
+    For a key limited by allowed_tables or masking rules ("governed"):
+    - every function called must be on the dialect's allow-list (qag/governance/functions/<dialect>.txt) or in
+      trusted_functions (the connection's options.trusted_functions), else 403 function_not_allowed;
+      functions_of() (optional) gives the database's user-defined functions as (schema, name) pairs: a name one
+      of them defines is refused even where a built-in has it too (which one runs depends on argument types);
+    - views_of() (optional) gives {(schema, name): definition} of the database's views: a view the statement
+      reads is governed as its definition (tables, functions, column lineage), or refused when it cannot be."""
     d = canonical_dialect(dialect)
     a = analyze(sql, d)
     schema = default_schema_for(d, default_schema)
     rules = parse_rules(mask_rules)
-    udfs = ()
-    if functions_of is not None and (allowed_tables is not None or rules) and d in ("postgres", "mysql"):
-        udfs = user_defined_calls(called_functions(sql, d), d, functions_of)
+    governed = allowed_tables is not None or bool(rules)
+    try:
+        trust = Trust(trusted_functions if governed else ())
+    except ValueError as exc:
+        raise GovernanceError(403, "function_not_allowed",
+                              f"{exc}; an administrator must correct the connection before governed keys can run "
+                              "queries on it") from None
 
-    if a.unsafe and not allow_unsafe:
+    views: list[_View] = []
+    direct = resolve(a.table_refs, d, schema)
+    tables = direct
+    if governed and views_of is not None and a.table_refs:
+        tables, views = _expand_views(direct, d, views_of)
+    unsafe = tuple(dict.fromkeys((*a.unsafe, *(u for v in views for u in v.analysis.unsafe))))
+
+    if unsafe and not allow_unsafe:
         raise GovernanceError(403, "unsafe_function",
-                              f"the statement uses {', '.join(a.unsafe)}, which reach files or other servers; "
+                              f"the statement uses {', '.join(unsafe)}, which reach files or other servers; "
                               "only a query saved by an administrator with unsafe functions allowed may",
-                              {"functions": list(a.unsafe)})
+                              {"functions": list(unsafe)})
 
     if a.is_write:
         ops = ", ".join(sorted(a.write_ops))
@@ -163,50 +185,185 @@ def plan_governance(*, sql: str, dialect: str, default_schema: str, allowed_tabl
                                       f"this API key may not {', '.join(bad)}; its allowed_write_ops are "
                                       f"{', '.join(sorted(allowed)) or 'empty'}", {"operations": bad})
 
-    tables = resolve(a.table_refs, d, schema)
+    from_funcs = [*a.from_funcs, *(f for v in views for f in v.analysis.from_funcs)]
+    if from_funcs and trust:
+        by_name = _by_name(_defined(functions_of, d))
+        from_funcs = [f for f in from_funcs if not trust.trusts(None, f, by_name.get(f.lower(), ()))]
+    if governed:
+        _check_functions(d, [sql] + [v.text for v in views], trust, functions_of,
+                         skip=frozenset(from_funcs))
+
+    opaque = a.opaque or next((f"the view {table_text(v.name)}" for v in views if v.analysis.opaque), None)
     if allowed_tables is not None:
-        if a.opaque:
+        if opaque:
             raise GovernanceError(403, "table_not_allowed",
-                                  f"qag cannot tell which tables {a.opaque} read, so a key limited by "
+                                  f"qag cannot tell which tables {opaque} read, so a key limited by "
                                   "allowed_tables may not run it", {"tables": []})
-        if a.from_funcs:
+        if from_funcs:
             raise GovernanceError(403, "table_not_allowed",
-                                  f"{', '.join(a.from_funcs)} in FROM may read tables qag cannot see, so a key "
-                                  "limited by allowed_tables may not run it",
-                                  {"tables": [], "functions": list(a.from_funcs)})
-        if udfs:
-            raise GovernanceError(403, "table_not_allowed",
-                                  f"{_udf_phrase(udfs)}, which may read tables qag cannot see, so a key limited by "
-                                  "allowed_tables may not call it", {"tables": [], "functions": list(udfs)})
+                                  f"{', '.join(dict.fromkeys(from_funcs))} in FROM may read tables qag cannot see, "
+                                  "so a key limited by allowed_tables may not run it",
+                                  {"tables": [], "functions": list(dict.fromkeys(from_funcs))})
         bad = forbidden_tables(tables, parse_allowed(allowed_tables, d, schema))
         if bad:
             names = [table_text(t) for t in bad]
+            via = [table_text(v.name) for v in views if any(t in v.reads for t in bad)]
             raise GovernanceError(403, "table_not_allowed",
-                                  f"this API key may not read or write {', '.join(names)}", {"tables": names})
+                                  f"this API key may not read or write {', '.join(names)}"
+                                  + (f" (read through the view {', '.join(via)})" if via else ""),
+                                  {"tables": names})
 
-    if udfs and rules:
-        raise GovernanceError(403, "mask_unresolvable",
-                              f"this key has masking rules and {_udf_phrase(udfs)}, whose result cannot be traced to "
-                              "its source columns", {"functions": list(udfs)})
-    transforms, names = _masking(a, d, schema, tables, rules, columns_of)
+    read = direct | tables
+    transforms, names = _masking(a, d, schema, read, rules, columns_of, opaque, from_funcs)
+    if views and rules and a.has_output and not a.explain:
+        # Rules may also name a view's own columns (contacts.contact): the lineage through the views' names
+        # and the lineage through their definitions both apply, the stricter action wins per position.
+        expanded = _expanded_tree(a.tree, d, schema, views)
+        t2, n2 = _masking(a, d, schema, read, rules, columns_of, opaque, from_funcs, tree=expanded)
+        transforms = _stricter(transforms, t2)
+        names = names or n2
     return GovernedPlan(is_write=a.is_write, write_ops=a.write_ops,
-                        tables=[table_text(t) for t in tables], transforms=transforms,
-                        output_names=names, unsafe=a.unsafe)
+                        tables=[table_text(t) for t in read], transforms=transforms,
+                        output_names=names, unsafe=unsafe)
 
 
-def _udf_phrase(udfs) -> str:
-    return f"{', '.join(udfs)} {'is a user-defined function' if len(udfs) == 1 else 'are user-defined functions'}"
+# ---------------------------------------------------------------------------------------------- functions
+_CALL_HEAD = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_$]*)\s*\(")
+_DIALECT_NAMES = {"postgres": "PostgreSQL", "mysql": "MySQL/MariaDB", "sqlite": "SQLite", "clickhouse": "ClickHouse"}
+
+
+@functools.lru_cache(maxsize=2048)
+def statement_calls(sql: str, d: str) -> tuple[tuple[tuple[str | None, str], ...], frozenset[str]]:
+    """Every function the statement calls, as (qualifier or None, name): called_functions() (the analysis's
+    list, the database's own names) and, for the built-ins sqlglot models as nodes of their own, the name the
+    dialect's generator writes for that node. Also returns sqlglot's internal names of those nodes
+    (e.g. time_to_str for DATE_FORMAT), which a call list built from sqlglot's names may report.
+    Cached like the analysis (plans are rebuilt often)."""
+    tree = analyze(sql, d).tree
+    calls = list(called_functions(sql, d))
+    have = set(calls)
+    internal = set()
+    if tree is not None:
+        # Not calls the allow-list judges: functions in FROM (table functions, set-returning functions and
+        # SQLite's pragma tables are governed by analysis.py as relations) and MySQL optimizer hints
+        # (/*+ NO_INDEX_MERGE(t) */, which sqlglot reads as calls).
+        elsewhere, aside = set(), set()
+        for node in tree.find_all(exp.Func):
+            parent = node.parent
+            if isinstance(parent, (exp.Table, exp.Lateral)) and parent.this is node or node.find_ancestor(exp.Hint):
+                aside.add(func_name(node))
+            else:
+                elsewhere.add(func_name(node))
+        skip = aside - elsewhere
+        if skip:
+            calls = [(q, n) for q, n in calls if q is not None or n.lower() not in skip]
+        for node in tree.find_all(exp.Func):
+            if isinstance(node, exp.Anonymous) or func_name(node) in skip:
+                continue
+            internal.add(node.sql_name().lower())
+            head = _generated_name(node, d)
+            if head is not None and (None, head) not in have:
+                calls.append((None, head))
+                have.add((None, head))
+    return tuple(calls), frozenset(internal)
+
+
+_HEADS: dict = {}
+
+
+def _generated_name(node, d: str) -> str | None:
+    """The function name the dialect writes for a sqlglot-modelled built-in; None when it writes syntax
+    (an operator, CASE, x COLLATE c, CURRENT_DATE), which invokes only built-in operators. Remembered per
+    (node class, dialect, arguments present): generating a node writes its whole subtree (measured: ~4 ms a
+    plan for a dozen built-ins without this)."""
+    if isinstance(node, (exp.Binary, exp.Connector)):
+        return None   # an operator (a ~ b, a -> b, a AND b) or its function spelling (POWER(a, b)): built-in
+    key = (type(node), d, tuple(k for k, v in node.args.items() if v is not None and v != []))
+    if key in _HEADS:
+        return _HEADS[key]
+    try:
+        text = node.sql(dialect=d)
+        m = _CALL_HEAD.match(text)
+        head = m.group(1).lower() if m else None
+        first = node.args.get("this")
+        if head is not None and isinstance(first, exp.Expression) and text.startswith(first.sql(dialect=d)):
+            head = None   # written after its first operand (x IS JSON, x COLLATE c): the name seen is the operand's
+    except Exception:   # noqa: BLE001 - a node the dialect cannot write: name it by its class, which no list holds
+        head = type(node).__name__.lower()
+    if len(_HEADS) < 4096:
+        _HEADS[key] = head
+    return head
+
+
+def _check_functions(d: str, statements, trust: Trust, functions_of, skip: frozenset) -> None:
+    """403 function_not_allowed unless every call of every statement (the query and the views it reads) is on
+    the dialect's allow-list or trusted; a name a user-defined function has is refused unless trusted."""
+    al = allow_list(d)
+    refused: list[str] = []
+    udfs: list[str] = []
+    defined = None
+    by_name: dict[str, list[str]] = {}
+    bridge = d != "clickhouse"   # ClickHouse's SQL UDFs are not reported: no name may be waved through there
+    for text in statements:
+        calls, internal = statement_calls(text, d)
+        for q, n in calls:
+            if q is None and n in skip:
+                continue   # functions in FROM: refused below with the codes the allow-list and masking use
+            if defined is None:
+                defined = _defined(functions_of, d)
+                by_name = _by_name(defined)
+            ln = n.lower()
+            schemas = by_name.get(ln, [])
+            if trust.trusts(q, n, schemas):
+                continue
+            label = f"{q}.{n}" if q is not None else n
+            if q is not None:
+                if d == "postgres" and q == "pg_catalog" and al.allows(n):
+                    continue
+                if (q.lower(), ln) in defined or schemas:
+                    udfs.append(label)
+                refused.append(label)
+            elif schemas:
+                udfs.append(label)
+                refused.append(label)
+            elif not al.allows(n) and not (bridge and ln in internal):
+                # (a name that is sqlglot's own for a node it models, e.g. time_to_str for DATE_FORMAT, was
+                # checked above by the name the dialect writes for that node)
+                refused.append(label)
+    if refused:
+        refused = list(dict.fromkeys(refused))
+        udfs = list(dict.fromkeys(udfs))
+        many = len(refused) > 1
+        why = ""
+        if udfs:
+            why = (f" ({', '.join(udfs)} {'are user-defined functions' if len(udfs) > 1 else 'is a user-defined function'}"
+                   ", whose body may read any table)")
+        raise GovernanceError(403, "function_not_allowed",
+                              f"this API key may call only functions known to be safe on {_DIALECT_NAMES[d]} and "
+                              f"those an administrator marked trusted on the connection; {', '.join(refused)} "
+                              f"{'are' if many else 'is'} not among them{why}",
+                              {"functions": refused})
+
+
+def _defined(functions_of, d: str) -> frozenset[tuple[str, str]]:
+    if functions_of is None or d not in ("postgres", "mysql"):
+        return frozenset()
+    return frozenset((str(s).lower(), str(n).lower()) for s, n in functions_of())
+
+
+def _by_name(defined) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for s, n in defined:
+        out.setdefault(n, []).append(s)
+    return out
 
 
 def user_defined_calls(calls, d: str, functions_of) -> list[str]:
-    """The calls (from called_functions) that may reach a user-defined function. PostgreSQL: a call qualified
-    with another schema than pg_catalog/information_schema, or an unqualified name some schema defines (which
-    one runs depends on search_path and argument types, so any); MySQL/MariaDB: a qualified call, or an
-    unqualified name a database defines (a built-in of the same name wins unqualified, but sqlglot models
-    the built-ins that matter)."""
+    """The calls (from called_functions) that may reach a user-defined function (kept for callers of the
+    earlier interface; plan_governance refuses every call outside the allow-list)."""
     if not calls:
         return []
-    defined = {(str(s).lower(), str(n).lower()) for s, n in functions_of()}
+    defined = _defined(functions_of, d)
     names = {n for _, n in defined}
     out = []
     for q, n in calls:
@@ -214,11 +371,155 @@ def user_defined_calls(calls, d: str, functions_of) -> list[str]:
             if d == "postgres" and q in ("pg_catalog", "information_schema"):
                 continue
             if (q, n) not in defined and n not in names:
-                continue  # no such function: the database refuses the call itself
+                continue
             out.append(f"{q}.{n}")
         elif n in names:
             out.append(n)
     return out
+
+
+# ---------------------------------------------------------------------------------------------- views
+_VIEW_DEPTH = 8
+
+
+class _View:
+    __slots__ = ("analysis", "columns", "name", "reads", "text", "tree")
+
+    def __init__(self, name, text, analysis, tree, columns, reads):
+        self.name = name            # (schema, view)
+        self.text = text            # the definition's query text
+        self.analysis = analysis
+        self.tree = tree            # the definition's query tree (not yet expanded)
+        self.columns = columns      # the view's own column names when its definition lists them, else None
+        self.reads = reads          # resolved relations the definition names
+
+
+def _view_key(t, d: str) -> tuple[str, str]:
+    return (normalize_text(t[0], True, d), normalize_text(t[1], True, d))
+
+
+def _views_index(views_of, d: str) -> dict:
+    return {_view_key(k, d): v for k, v in (views_of() or {}).items()}
+
+
+def _expand_views(direct, d: str, views_of):
+    """Replace each view among the relations by what its definition reads, recursively (depth-bounded).
+    Returns (base relations, [_View])."""
+    index = _views_index(views_of, d)
+    if not index:
+        return direct, []
+    seen: dict = {}
+    out: set = set()
+
+    def walk(rels, depth):
+        for t in rels:
+            key = _view_key(t, d)
+            if key not in index:
+                out.add(t)
+                continue
+            if key in seen:
+                continue
+            if depth >= _VIEW_DEPTH:
+                raise GovernanceError(403, "view_not_expandable",
+                                      f"the view {table_text(t)} nests views more than {_VIEW_DEPTH} deep; a key with "
+                                      "an allow-list or masking rules may not read it", {"tables": [table_text(t)]})
+            v = _parse_view(t, index[key], d)
+            seen[key] = v
+            walk(v.reads, depth + 1)
+    walk(direct, 0)
+    return frozenset(out), list(seen.values())
+
+
+def _parse_view(t, definition, d: str) -> _View:
+    def refuse(why):
+        return GovernanceError(403, "view_not_expandable",
+                               f"the view {table_text(t)} {why}, so qag cannot govern what it reads; a key with an "
+                               "allow-list or masking rules may not read it", {"tables": [table_text(t)]})
+    if not isinstance(definition, str) or not definition.strip():
+        raise refuse("has a definition this connection may not read")
+    text = definition.strip().rstrip(";").strip()
+    columns = None
+    try:
+        a = analyze(text, d)
+    except GovernanceError:
+        raise refuse("has a definition qag cannot read") from None
+    tree = a.tree
+    if isinstance(tree, exp.Create):
+        # SQLite keeps the whole CREATE VIEW statement: govern its query, named by the view's column list
+        q = tree.args.get("expression")
+        target = tree.this
+        if isinstance(target, exp.Schema):
+            columns = [c.name for c in target.expressions]
+        if not isinstance(q, (exp.Select, exp.SetOperation, exp.Subquery, exp.Values)):
+            raise refuse("has a definition qag cannot read")
+        text = q.sql(dialect=d)
+        try:
+            a = analyze(text, d)
+        except GovernanceError:
+            raise refuse("has a definition qag cannot read") from None
+        tree = a.tree
+    if a.is_write or not a.has_output:
+        raise refuse("is not defined by a query")
+    # Names in a definition resolve in the view's own schema (PostgreSQL's definitions are read with every
+    # name qualified; MySQL's are; SQLite's live in main).
+    reads = resolve(a.table_refs, d, default_schema_for(d, t[0]))
+    return _View(t, text, a, tree, columns, reads)
+
+
+def _expanded_tree(tree, d: str, schema: str, views: list[_View]):
+    """A copy of the statement's tree where every reference to a view is its definition as a derived table
+    (aliased as the reference was), recursively: what lineage then traces goes to the base columns."""
+    by_key = {_view_key(v.name, d): v for v in views}
+
+    def expand(node, view_schema, depth):
+        if depth > _VIEW_DEPTH:
+            raise GovernanceError(403, "view_not_expandable", f"views nest more than {_VIEW_DEPTH} deep")
+        ctes = {normalize_identifier(c.args["alias"].this, d) for c in node.find_all(exp.CTE)
+                if isinstance(c.args.get("alias"), exp.TableAlias) and c.args["alias"].this is not None}
+        for t in list(node.find_all(exp.Table)):
+            if not isinstance(t.this, exp.Identifier):
+                continue
+            db = t.args.get("db")
+            name = normalize_identifier(t.this, d)
+            if db is None and name in ctes:
+                ref = next(iter(resolve([(None, name)], d, view_schema)))
+                if _view_key(ref, d) in by_key:
+                    raise GovernanceError(403, "view_not_expandable",
+                                          f"{name} names both a CTE and a view; rename the CTE",
+                                          {"tables": [table_text(ref)]})
+                continue
+            dbn = normalize_identifier(db, d) if isinstance(db, exp.Identifier) else (str(db).lower() if db else None)
+            ref = next(iter(resolve([(dbn, name)], d, view_schema)))
+            v = by_key.get(_view_key(ref, d))
+            if v is None:
+                continue
+            inner = expand(v.tree.copy(), default_schema_for(d, v.name[0]), depth + 1)
+            alias = t.args.get("alias")
+            if isinstance(alias, exp.TableAlias) and alias.this is not None:
+                new_alias = alias.copy()
+            else:
+                new_alias = exp.TableAlias(this=exp.to_identifier(t.this.this, quoted=t.this.quoted))
+            if v.columns and not new_alias.columns:
+                new_alias.set("columns", [exp.to_identifier(c, quoted=True) for c in v.columns])
+            t.replace(exp.Subquery(this=inner, alias=new_alias))
+        return node
+    return expand(tree.copy(), schema, 0)
+
+
+def _stricter(a, b):
+    if a is None:
+        return b
+    if b is None:
+        return a
+    out = []
+    for x, y in zip(a, b):
+        if x is None or y is None:
+            out.append(x or y)
+        elif {x, y} == {"mask", "hash"}:
+            out.append("null")   # see _masking: a value mixing a masked and a hashed source is nulled
+        else:
+            out.append(x if STRICTNESS[x] >= STRICTNESS[y] else y)
+    return tuple(out) if len(a) == len(b) else a
 
 
 # Catalog relations whose rows can hold other tables' values (statistics samples, query texts with literals,
@@ -235,21 +536,23 @@ _REVEALING = {
 }
 
 
-def _masking(a, d, schema, tables, rules, columns_of):
+def _masking(a, d, schema, tables, rules, columns_of, opaque=None, from_funcs=None, tree=None):
     if not rules or a.explain or not a.has_output:
         return None, None
+    opaque = a.opaque if opaque is None else opaque
+    from_funcs = list(dict.fromkeys(a.from_funcs if from_funcs is None else from_funcs))
     revealing = sorted(f"{s}.{t}" for s, t in tables if _REVEALING[d](s.lower(), t.lower()))
     if revealing:
         raise GovernanceError(403, "mask_unresolvable",
                               f"this key has masking rules and {', '.join(revealing)} can reveal values of masked "
                               "columns (statistics, query texts or raw pages)", {"tables": revealing})
-    if a.opaque:
+    if opaque:
         raise GovernanceError(403, "mask_unresolvable",
-                              f"this key has masking rules and qag cannot trace the columns of {a.opaque}")
-    if a.from_funcs:
+                              f"this key has masking rules and qag cannot trace the columns of {opaque}")
+    if from_funcs:
         raise GovernanceError(403, "mask_unresolvable",
-                              f"this key has masking rules and the rows of {', '.join(a.from_funcs)} cannot be "
-                              "traced to their source columns", {"functions": list(a.from_funcs)})
+                              f"this key has masking rules and the rows of {', '.join(from_funcs)} cannot be "
+                              "traced to their source columns", {"functions": from_funcs})
     lineage = Lineage(d, schema, columns_of, lambda ref: next(iter(resolve([ref], d, schema))))
 
     def may_apply(rule):
@@ -265,7 +568,7 @@ def _masking(a, d, schema, tables, rules, columns_of):
         return None, None      # fast path: no rule can touch any column this statement reads
 
     try:
-        outs = lineage.outputs(a.tree)
+        outs = lineage.outputs(a.tree if tree is None else tree)
     except RecursionError:
         raise GovernanceError(403, "mask_unresolvable", "the statement is nested too deeply to trace its columns") \
             from None

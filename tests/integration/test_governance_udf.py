@@ -1,6 +1,7 @@
 """Governance and user-defined functions, on real PostgreSQL and MariaDB through the app: a function's body
-can read any table, so a key limited by allowed_tables (or by masking rules) may not call one, while the
-databases' built-in functions stay callable and keys without limits are unaffected."""
+can read any table, so a key limited by allowed_tables (or by masking rules) may not call one (403
+function_not_allowed, issue 12: only the dialect's allow-list and trusted functions), while the databases'
+built-in functions stay callable and keys without limits are unaffected."""
 from __future__ import annotations
 
 import json
@@ -73,10 +74,10 @@ def test_postgresql_user_defined_functions_refused_to_limited_keys(pg_app):
 
     for name, fn in (("card_via_udf", "card_of"), ("qualified_udf", "billing.secret_count")):
         r = call(c, listed, name)
-        assert r.status_code == 403 and r.json["code"] == "table_not_allowed", r.text
+        assert r.status_code == 403 and r.json["code"] == "function_not_allowed", r.text
         assert fn in r.json["error"] and "user-defined" in r.json["error"]
         r = call(c, masked, name)
-        assert r.status_code == 403 and r.json["code"] == "mask_unresolvable", r.text
+        assert r.status_code == 403 and r.json["code"] == "function_not_allowed", r.text
         assert "4111" not in r.text
 
     # built-ins (modelled by sqlglot or not, qualified with pg_catalog or not) stay callable
@@ -119,10 +120,10 @@ def test_mariadb_stored_functions_refused_to_limited_keys(my_app):
     assert call(c, plain, "qualified_udf").json == [{"c": "5500000000000004"}]
     for name in ("card_via_udf", "qualified_udf"):
         r = call(c, listed, name)
-        assert r.status_code == 403 and r.json["code"] == "table_not_allowed", r.text
+        assert r.status_code == 403 and r.json["code"] == "function_not_allowed", r.text
         assert "card_of" in r.json["error"]
         r = call(c, masked, name)
-        assert r.status_code == 403 and r.json["code"] == "mask_unresolvable", r.text
+        assert r.status_code == 403 and r.json["code"] == "function_not_allowed", r.text
         assert "5500" not in r.text
     for key in (listed, masked):
         r = call(c, key, "builtins")
