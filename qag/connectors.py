@@ -612,6 +612,14 @@ class ClickHouseConnector(Connector):
             out.setdefault((s, t), []).append(c)
         return out
 
+    def views(self):
+        # as_select names every table with its database; materialized views' too (their rows came from it)
+        _, rows, _ = self.run(
+            "SELECT database, name, as_select FROM system.tables WHERE engine IN ('View', 'MaterializedView') "
+            "AND database NOT IN ('system', 'INFORMATION_SCHEMA', 'information_schema')",
+            (), write=False, timeout=None, max_rows=None)
+        return {(s, n): d for s, n, d in rows}
+
 
 def _ch_literal(v) -> str:
     """clickhouse-connect's own quoting (its client-side binding), used only for driver-validated typed values."""

@@ -181,3 +181,51 @@ def test_mariadb_functions_and_views(my_app):
         r = call(c, key, "builtins")
         assert r.status_code == 200, r.text
         assert r.json[0]["y"] == "2026" and r.json[0]["s"] == "Ad" and r.json[0]["t"] == "1"
+
+
+def _plan_through(connector, sql, mask):
+    from qag.governance import plan_governance
+    cat = connector.introspect()
+    return plan_governance(sql=sql, dialect=connector.dialect, default_schema=connector.default_schema(),
+                           allowed_tables=None, mask_rules=mask, server_allows_writes=False,
+                           key_allows_writes=False, allowed_write_ops=None, allow_unsafe=False,
+                           columns_of=lambda s, t: cat.get((s, t)), functions_of=connector.user_functions,
+                           views_of=connector.views)
+
+
+def test_sqlite_and_clickhouse_views_read_from_the_database(tmp_path):
+    """SQLite's sqlite_master and ClickHouse's system.tables (through chDB) give definitions governance expands."""
+    import sqlite3
+
+    from qag import config, connectors
+    cfg = config.load({"QAG_HOME": str(tmp_path / "home")})
+    path = str(tmp_path / "data.db")
+    db = sqlite3.connect(path)
+    db.executescript("CREATE TABLE customers (id INTEGER PRIMARY KEY, email TEXT);"
+                     "INSERT INTO customers VALUES (1, 'ada@example.com');"
+                     "CREATE VIEW contacts (cid, contact) AS SELECT id, email FROM customers;")
+    db.commit()
+    db.close()
+    lite = connectors.make({"name": "lite", "db": "sqlite", "database": path, "options": {}}, None, cfg)
+    try:
+        assert set(lite.views()) == {("main", "contacts")}
+        p = _plan_through(lite, "SELECT cid, contact FROM contacts", [{"column": "customers.email", "action": "mask"}])
+        assert p.transforms == (None, "mask")
+    finally:
+        lite.close()
+
+    pytest.importorskip("chdb")
+    import clickhouse_connect
+    d = str(tmp_path / "ch")
+    cl = clickhouse_connect.get_client(dsn=f"chdb://{d}")
+    cl.command("CREATE TABLE default.customers (id UInt32, email String) ENGINE = MergeTree ORDER BY id")
+    cl.command("CREATE VIEW default.contacts AS SELECT id, email AS contact FROM default.customers")
+    cl.close()
+    ch = connectors.make({"name": "ch", "db": "clickhouse", "host": f"chdb:{d}", "database": "default",
+                          "options": {}}, None, cfg)
+    try:
+        assert set(ch.views()) == {("default", "contacts")}
+        p = _plan_through(ch, "SELECT id, contact FROM contacts", [{"column": "customers.email", "action": "hash"}])
+        assert p.transforms == (None, "hash")
+    finally:
+        ch.close()
