@@ -20,6 +20,12 @@ log = logging.getLogger("qag.arbiter")
 # Slots: workers take 0..N-1; the recorder and the data plane take fixed slots at the top.
 RECORDER_SLOT_FROM_TOP = 1
 PLANE_SLOT_FROM_TOP = 2
+WATCHER_SLOT_FROM_TOP = 3
+
+
+def watcher_slot(slots: int) -> int:
+    """The change watcher's slot (qag/changes.py; shm/LAYOUT.md [Slot metadata] W1)."""
+    return slots - WATCHER_SLOT_FROM_TOP
 
 
 def instance_name(cfg) -> str:
@@ -188,6 +194,7 @@ class ArbiterHooks:
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
         self.recorder_restarts = 0
+        self.invalidations = 0  # times the supervisor bumped every generation for a watcher not caught up
 
     def start(self) -> str | None:
         """Create the segment and start the children; a failure raises StartFailed (one line) after removing
@@ -233,8 +240,9 @@ class ArbiterHooks:
             logging.disable(logging.NOTSET)
         self.children = [Child("the recorder", [sys.executable, "-m", "qag.recorder", "--segment", self.segment_name,
                                                 "--store", url, "--slot", str(self.recorder_slot)])]
+        self.watcher_slot = watcher_slot(slots)
         self.children.append(Child("the change watcher", [sys.executable, "-m", "qag.changes", "--segment",
-                                                          self.segment_name]))
+                                                          self.segment_name, "--slot", str(self.watcher_slot)]))
         if self.plane is not None:
             self.children.append(self._plane_child())
         for c in self.children:
@@ -265,10 +273,23 @@ class ArbiterHooks:
         return Child("the data plane", cmd, env)
 
     def _supervise(self) -> None:
+        from qag.changes import watcher_current
+        watcher = self.children[1]
         while not self._stop.wait(0.2):
             for c in self.children:
                 if not self._stop.is_set():
                     c.check()
+            # W4: while the change watcher is dead or behind, entries published before (and any published
+            # since by a worker that had not yet noticed) stop matching: the plane forwards to Python, which
+            # re-reads the store on every call until the watcher is caught up again.
+            seg = self.segment
+            if seg is not None and not self._stop.is_set():
+                if watcher.proc is None or watcher.reap() or not watcher_current(seg, self.watcher_slot):
+                    try:
+                        seg.bump_all()
+                        self.invalidations += 1
+                    except Exception as exc:  # a lock held too long by a live process: try again next tick
+                        log.warning("could not invalidate the segment's generations: %s", exc)
 
     def ready(self, server) -> None:
         """gunicorn's arbiter is up: let its reaper hand our children's exit statuses to us first."""

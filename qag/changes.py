@@ -1,22 +1,35 @@
 """Changes made elsewhere reach this host's generations: another host on the same PostgreSQL store (through
 `LISTEN qag_changes`, delivered at the other host's commit), or an edit that did not go through this host
-(the CLI, a script): the audit log is polled as a fallback every QAG_CHANGE_POLL_S seconds.
+(the CLI, a script): the store's change log is read as a fallback every QAG_CHANGE_POLL_S seconds.
 
-Every audited change maps to the generation it invalidates; a bump this host already made costs at most
-one extra rebuild, never a wrong answer.
+Nothing can be lost between the two. Every change carries a sequence number that commits in order
+(qag/store.py, migration 2), and the watcher remembers in the segment the last one it applied (its slot's
+`heartbeat_value`, shm/LAYOUT.md [Slot metadata] W1). A watcher that starts, restarts or reconnects LISTENs
+first, then applies every change after that number — or, when the segment cannot tell (a new segment, a
+position the store does not have), bumps every generation — and only then says it is caught up.
+
+Fail closed while it is not: workers trust cached entries only while the watcher's heartbeat is fresh
+(`WatchedGenerations`), so they re-read the store on every call (503 `store_unavailable` if it is away), and
+the arbiter bumps every generation while the watcher is dead or behind, so the data plane's published
+entries stop matching and it forwards to Python. Every audited change maps to the generation it
+invalidates; a bump this host already made costs at most one extra rebuild, never a wrong answer.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import select
 import threading
 import time
 
 log = logging.getLogger("qag.changes")
+_time_ns = time.time_ns
 
 KIND = {"connection": "connection", "query": "query", "api_key": "key", "admin": "key"}
-POLL_S = 1.0
-LOOKBACK = 256  # PostgreSQL assigns ids at insert, so a smaller id may commit later: look back and skip seen ids
+POLL_S = 1.0     # the fallback read of the change log, and the heartbeat's period
+STALE_S = 3.0    # a heartbeat older than this: the watcher is not caught up (hung, or cannot read the store)
+ROLE = "other"   # the watcher's slot role (shm/LAYOUT.md [Slot metadata] W1)
+BATCH = 10_000
 
 
 def kind_of(entity: str, name: str) -> tuple[str, str]:
@@ -25,34 +38,101 @@ def kind_of(entity: str, name: str) -> tuple[str, str]:
     return KIND.get(entity, entity), name
 
 
-class ChangeWatcher(threading.Thread):
-    def __init__(self, store, segment, stop: threading.Event):
-        super().__init__(name="qag-changes", daemon=True)
+def watcher_current(seg, slot: int, now_ns: int | None = None, stale_s: float = STALE_S) -> bool:
+    """W2: the watcher in `slot` is caught up: it published a position and beat within stale_s."""
+    beat_ns, value = seg.heartbeat(slot)
+    now_ns = time.time_ns() if now_ns is None else now_ns
+    return value != 0 and now_ns - beat_ns < stale_s * 1e9
+
+
+class WatchedGenerations:
+    """The segment's generations as a worker's runtime sees them: the real ones while this host's change
+    watcher is caught up (W2); otherwise a value no cached entry was built from, different at every read, so
+    every lookup rebuilds from the store and nothing built meanwhile matches the segment (the plane never
+    uses it). Everything else (bumps, gauges) goes to the segment."""
+
+    __slots__ = ("_beat", "_gen", "_never", "_q", "_stale_ns", "_value", "seg", "slot")
+
+    def __init__(self, seg, slot: int, stale_s: float = STALE_S):
+        self.seg = seg
+        self.slot = slot
+        self._stale_ns = int(stale_s * 1e9)
+        self._beat, self._value = seg.heartbeat_indexes(slot)
+        self._q = seg.words()  # the hot path reads the two heartbeat words itself: two loads, no calls (M2)
+        self._gen = seg.gen
+        self._never = itertools.count(1 << 62)  # real generations never get near 2^62
+
+    def current(self) -> bool:
+        q = self._q
+        return q[self._value] != 0 and _time_ns() - q[self._beat] < self._stale_ns
+
+    def gen(self, kind: str, ident: str) -> int:
+        q = self._q
+        if q[self._value] != 0 and _time_ns() - q[self._beat] < self._stale_ns:
+            return self._gen(kind, ident)
+        return next(self._never)
+
+    def global_gen(self) -> int:
+        if self.current():
+            return self.seg.global_gen()
+        return next(self._never)
+
+    def bump(self, kind: str, ident: str) -> int:
+        return self.seg.bump(kind, ident)
+
+    def gauge_cells(self, name, labels=()):
+        return self.seg.gauge_cells(name, labels)
+
+    def gauge_set(self, slot, name, labels=(), value=0):
+        return self.seg.gauge_set(slot, name, labels, value)
+
+    def __getattr__(self, name):
+        return getattr(self.seg, name)
+
+
+class ChangeWatcher:
+    """The loop of `python -m qag.changes`: one per instance, in its own process and slot."""
+
+    def __init__(self, store, segment, slot: int, stop: threading.Event, listen_name: str = "qag-changes"):
         self.store = store
         self.seg = segment
+        self.slot = slot
         self.stop = stop
-        rows = store.changes_since(0, 1_000_000_000)
-        self.last = rows[-1][0] if rows else 0
-        # what was committed before this watcher started is already in every generation it could affect
-        now = time.monotonic()
-        self.seen: dict[int, float] = {r[0]: now for r in rows[-LOOKBACK:]}
+        self.listen_name = listen_name[:63]
+        info = segment.slot_info(slot)
+        prev = info["heartbeat_value"] if info["role"] == ROLE else 0
+        # W1: the position a predecessor published (value = last applied sequence number + 1), if any
+        self.position: int | None = prev - 1 if prev else None
+        segment.set_slot(slot, ROLE)  # heartbeat_value 0: not caught up until catch_up() says so
         self.applied = 0
+        self.full_bumps = 0
 
-    def apply(self) -> None:
-        rows = self.store.changes_since(max(0, self.last - LOOKBACK), 10_000)
-        now = time.monotonic()
-        for cid, entity, name in rows:
-            if cid in self.seen or (cid <= self.last - LOOKBACK):
-                continue
-            self.seen[cid] = now
-            if cid > self.last:
-                self.last = cid
-            kind, ident = kind_of(entity, name)
-            self.seg.bump(kind, ident)
-            self.applied += 1
-        if len(self.seen) > 4 * LOOKBACK:
-            floor = self.last - LOOKBACK
-            self.seen = {k: v for k, v in self.seen.items() if k > floor}
+    def catch_up(self) -> None:
+        """Every change committed after the position into the generations, then publish the new position."""
+        top = self.store.change_position()
+        if self.position is None or self.position > top:
+            # W3: what this segment applied is unknown: every change up to `top` is in the store now, so
+            # invalidating everything makes each cached entry re-read it; the ones after `top` follow.
+            self.seg.bump_all()
+            self.full_bumps += 1
+            log.info("change watcher: position unknown (%s, store at %d): every generation bumped",
+                     "new segment" if self.position is None else f"segment at {self.position}", top)
+            self.position = top
+        while True:
+            rows = self.store.changes_since(self.position, BATCH)
+            for seq, entity, name in rows:
+                kind, ident = kind_of(entity, name)
+                self.seg.bump(kind, ident)
+                self.position = seq
+                self.applied += 1
+            if len(rows) < BATCH:
+                break
+        self.seg.set_heartbeat(self.slot, self.position + 1)
+
+    def not_current(self, why: str) -> None:
+        """W2: say so at once (workers stop trusting their caches now, not STALE_S later)."""
+        self.seg.set_heartbeat(self.slot, 0)
+        log.warning("change watcher: not caught up: %s", why)
 
     def run(self) -> None:
         conn = None
@@ -60,10 +140,11 @@ class ChangeWatcher(threading.Thread):
             try:
                 if self.store.is_pg and conn is None:
                     import psycopg2
-                    conn = psycopg2.connect(self.store.url, application_name="qag-changes")
+                    conn = psycopg2.connect(self.store.url, application_name=self.listen_name, connect_timeout=3)
                     conn.autocommit = True
                     conn.cursor().execute("LISTEN qag_changes")
-                    self.apply()  # anything committed before LISTEN took effect
+                # LISTEN is in effect before this read: a change committed later is notified or read next time
+                self.catch_up()
                 if conn is not None:
                     ready, _, _ = select.select([conn], [], [], POLL_S)
                     if ready:
@@ -71,9 +152,8 @@ class ChangeWatcher(threading.Thread):
                         conn.notifies.clear()
                 else:
                     self.stop.wait(POLL_S)
-                self.apply()
-            except Exception as exc:  # the store is away: keep trying, workers answer 503 meanwhile
-                log.warning("change watcher: %s", exc)
+            except Exception as exc:  # the store is away: keep trying; workers re-read it (or answer 503) meanwhile
+                self.not_current(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
                 if conn is not None:
                     try:
                         conn.close()
@@ -81,13 +161,14 @@ class ChangeWatcher(threading.Thread):
                         pass
                 conn = None
                 self.stop.wait(POLL_S)
+        self.seg.set_heartbeat(self.slot, 0)
         if conn is not None:
             conn.close()
 
 
 def main(argv=None) -> int:
-    """`python -m qag.changes --segment NAME`: the watcher as its own process (no store connection is ever
-    inherited by a forked worker), supervised by the arbiter like the recorder."""
+    """`python -m qag.changes --segment NAME --slot N`: the watcher as its own process (no store connection is
+    ever inherited by a forked worker), supervised by the arbiter like the recorder."""
     import argparse
     import signal
 
@@ -95,6 +176,7 @@ def main(argv=None) -> int:
     from qag.store import Store
     ap = argparse.ArgumentParser(prog="python -m qag.changes")
     ap.add_argument("--segment", required=True)
+    ap.add_argument("--slot", type=int, default=None, help="default: the arbiter's watcher slot")
     args = ap.parse_args(argv)
     try:
         from setproctitle import setproctitle
@@ -103,22 +185,15 @@ def main(argv=None) -> int:
         pass
     logging.basicConfig(level="INFO", format="%(asctime)s qag: changes %(levelname)s %(message)s")
     import shm
+    from qag.arbiter import watcher_slot
     cfg = config.load()
     seg = shm.Segment.attach(args.segment)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     store = Store(home=cfg.home, database_url=cfg.database_url, secret_key=cfg.secret_key)
-    while not stop.is_set():
-        try:
-            w = ChangeWatcher(store, seg, stop)
-            break
-        except Exception as exc:
-            log.warning("store unavailable: %s", exc)
-            stop.wait(POLL_S)
-    else:
-        return 0
-    w.run()
+    slot = watcher_slot(seg.slots) if args.slot is None else args.slot
+    ChangeWatcher(store, seg, slot, stop, listen_name=f"qag-changes {args.segment}").run()
     return 0
 
 

@@ -63,6 +63,16 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             entity TEXT NOT NULL, name TEXT NOT NULL, before TEXT, after TEXT)""",
         """CREATE TABLE IF NOT EXISTS qag_kv (k TEXT PRIMARY KEY, v TEXT NOT NULL)""",
     )),
+    # Audit ids are assigned at insert, so on PostgreSQL a smaller id may commit after a larger one: a watcher
+    # that remembers "applied up to id N" could skip a change for good. Every change now also takes the next
+    # number of one counter row, whose row lock it holds to its commit: numbers commit in order, with no gaps.
+    (2, "change sequence numbers, committed in order", (
+        "CREATE TABLE IF NOT EXISTS qag_change_seq (id INTEGER PRIMARY KEY, n BIGINT NOT NULL)",
+        "INSERT INTO qag_change_seq (id, n) SELECT 1, COALESCE(MAX(id), 0) FROM qag_audit",
+        "ALTER TABLE qag_audit ADD COLUMN seq BIGINT",
+        "UPDATE qag_audit SET seq = id",
+        "CREATE UNIQUE INDEX IF NOT EXISTS qag_audit_seq ON qag_audit (seq)",
+    )),
 )
 
 PASSWORD_SHOWN = "********"
@@ -242,16 +252,31 @@ class Store:
     # -- generic helpers ---------------------------------------------------------------------
     def audit(self, cur: "_Cursor", actor: str, action: str, entity: str, name: str,
               before: dict | None, after: dict | None) -> None:
-        cur.execute("INSERT INTO qag_audit (at, actor, action, entity, name, before, after) VALUES (?,?,?,?,?,?,?)",
+        # The change's sequence number (migration 2): the counter row stays locked until this transaction
+        # commits, so the next change gets the next number only after this one is visible (qag/changes.py).
+        cur.execute("UPDATE qag_change_seq SET n = n + 1 WHERE id = 1")
+        cur.execute("SELECT n FROM qag_change_seq WHERE id = 1")
+        seq = cur.fetchone()[0]
+        cur.execute("INSERT INTO qag_audit (at, actor, action, entity, name, before, after, seq) "
+                    "VALUES (?,?,?,?,?,?,?,?)",
                     (timeutil.now_text(), actor, action, entity, name,
-                     _dumps(_redact_row(before, after, "before")), _dumps(_redact_row(before, after, "after"))))
+                     _dumps(_redact_row(before, after, "before")), _dumps(_redact_row(before, after, "after")), seq))
         if self.is_pg:  # other hosts on this store hear of it at commit (qag/changes.py)
-            cur.execute("SELECT pg_notify('qag_changes', ?)", (f"{entity}:{name}",))
+            cur.execute("SELECT pg_notify('qag_changes', ?)", (f"{seq}:{entity}:{name}",))
 
-    def changes_since(self, after_id: int, limit: int = 1000) -> list[tuple[int, str, str]]:
-        """(id, entity, name) of audited changes with id > after_id, oldest first."""
+    def change_position(self) -> int:
+        """The sequence number of the last committed change (0: none yet)."""
         def q(cur):
-            cur.execute("SELECT id, entity, name FROM qag_audit WHERE id > ? ORDER BY id LIMIT ?", (after_id, limit))
+            cur.execute("SELECT n FROM qag_change_seq WHERE id = 1")
+            r = cur.fetchone()
+            return int(r[0]) if r else 0
+        return self.run(q)
+
+    def changes_since(self, after_seq: int, limit: int = 1000) -> list[tuple[int, str, str]]:
+        """(seq, entity, name) of the changes committed after sequence number after_seq, in commit order."""
+        def q(cur):
+            cur.execute("SELECT seq, entity, name FROM qag_audit WHERE seq > ? ORDER BY seq LIMIT ?",
+                        (after_seq, limit))
             return [tuple(r) for r in cur.fetchall()]
         return self.run(q)
 

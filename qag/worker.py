@@ -61,7 +61,10 @@ def build_worker_app(cfg, *, slot: int, segment_name: str | None, plane_slot: in
     segment.set_slot(slot, "worker", os.getpid())
     observer = Observer(backend=segment, slot=slot)
     store.observer = observer
-    runtime = Runtime(cfg, store, segment, slot=slot)
+    from qag.arbiter import watcher_slot
+    from qag.changes import WatchedGenerations
+    # cached entries are trusted only while this host's change watcher is caught up (qag/changes.py)
+    runtime = Runtime(cfg, store, WatchedGenerations(segment, watcher_slot(segment.slots)), slot=slot)
     from qag.publish import Publisher
     runtime.publisher = Publisher(segment, cfg)
     recorder = RingRecorder(segment, slot, cfg.record_wait_ms, observer)

@@ -337,6 +337,18 @@ class Segment:
             q[L.H_GLOBAL_GEN // 8] += 1
         return value  # the lock's sem_post is a locked RMW: the stores above are globally visible now
 
+    def bump_all(self) -> None:
+        """G4: every slot of every kind, then the global generation, under the writers' lock: every cached entry
+        of this segment (a worker's, the plane's) is stale when this returns. For a process that cannot tell
+        which changes it missed (the change watcher, qag/changes.py)."""
+        q = self._q
+        with self._lock:
+            for base in self._gen_base.values():
+                for i in range(base, base + self._gen_mask + 1):
+                    q[i] += 1  # one aligned 8-byte store per slot, as G2 (a slice copy may tear a value)
+            fence()
+            q[L.H_GLOBAL_GEN // 8] += 1
+
     # ---- cache [Cache] --------------------------------------------------------------------------------------
 
     def _slot_order(self, crc: int) -> range:
@@ -643,6 +655,23 @@ class Segment:
         if value is not None:
             self._q[b + L.SM_HEARTBEAT_VALUE // 8] = value
         self._q[b + L.SM_HEARTBEAT_NS // 8] = self._clock()
+
+    def heartbeat_indexes(self, slot: int) -> tuple[int, int]:
+        """The u64 indexes (offset / 8) of slot's `heartbeat_ns` and `heartbeat_value`, for gen_at() (M2)."""
+        if not 0 <= slot < self.slots:
+            raise IndexError(f"slot {slot} out of range 0..{self.slots - 1}")
+        b = (self._slot_meta_off + slot * L.SLOT_META_SIZE) // 8
+        return b + L.SM_HEARTBEAT_NS // 8, b + L.SM_HEARTBEAT_VALUE // 8
+
+    def words(self) -> memoryview:
+        """The segment as u64 words (index = offset / 8), for a hot reader of fixed fields it located through
+        gen_index() or heartbeat_indexes(): one item read is one aligned 8-byte load (see Memory ordering)."""
+        return self._q
+
+    def heartbeat(self, slot: int) -> tuple[int, int]:
+        """(heartbeat_ns, heartbeat_value) of slot: two 8-byte loads, no seqlock (M2)."""
+        i_ns, i_value = self.heartbeat_indexes(slot)
+        return self._q[i_ns], self._q[i_value]
 
     def slot_info(self, slot: int) -> dict[str, Any]:
         q = self._q
