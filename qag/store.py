@@ -180,6 +180,13 @@ class Store:
     def _sql(self, sql: str) -> str:
         return sql.replace("?", "%s") if self.is_pg else sql
 
+    @property
+    def by_name(self) -> str:
+        """ORDER BY for lists paged by name: code-point order, as the API's cursor compares names (Python str
+        order). PostgreSQL would sort in the database's collation (en_US, ICU: case folded, punctuation
+        ignored); "C" on UTF-8 is code-point order. SQLite's default BINARY collation already is."""
+        return 'ORDER BY name COLLATE "C"' if self.is_pg else "ORDER BY name"
+
     def run(self, fn, *, write: bool = False):
         """Run fn(cursor) in one transaction; retry once on a dropped connection."""
         for attempt in (0, 1):
@@ -319,7 +326,7 @@ class Store:
 
     def list_connections(self) -> list[dict]:
         def q(cur):
-            cur.execute(f"SELECT {self.CONN_COLS} FROM qag_connections ORDER BY name")
+            cur.execute(f"SELECT {self.CONN_COLS} FROM qag_connections {self.by_name}")
             return [self._conn_row(r) for r in cur.fetchall()]
         return self.run(q)
 
@@ -411,7 +418,7 @@ class Store:
 
     def list_queries(self) -> list[dict]:
         def q(cur):
-            cur.execute(f"SELECT {self.Q_COLS} FROM qag_queries ORDER BY name")
+            cur.execute(f"SELECT {self.Q_COLS} FROM qag_queries {self.by_name}")
             return [self._q_row(r) for r in cur.fetchall()]
         return self.run(q)
 
@@ -539,7 +546,7 @@ class Store:
 
     def list_keys(self) -> list[dict]:
         def q(cur):
-            cur.execute(f"SELECT {self.K_COLS} FROM qag_api_keys ORDER BY name")
+            cur.execute(f"SELECT {self.K_COLS} FROM qag_api_keys {self.by_name}")
             return [self._k_row(r) for r in cur.fetchall()]
         return self.run(q)
 
