@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: test venv lint vectors bench-smoke docs oha browser
+.PHONY: test venv lint vectors bench-smoke docs oha browser promtool
 
 venv:
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -11,7 +11,7 @@ venv:
 
 OHA_VERSION := 1.16.0
 
-test: venv browser
+test: venv browser promtool
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests/ -q -p no:cacheprovider
 	if [ -f rustplane/Cargo.toml ] && command -v cargo >/dev/null; then cd rustplane && cargo test --release -q; fi
 	$(MAKE) bench-smoke
@@ -22,6 +22,14 @@ browser:
 		{ command -v apt-get >/dev/null && { [ "$$(id -u)" = 0 ] && S= || S=sudo; \
 		  $$S apt-get update -q && $$S DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; } ; } || \
 		echo "chromium not installed: the Console's browser tests will be skipped"
+
+# promtool runs deploy/prometheus's rule unit tests (tests/unit/test_deploy.py); it comes with Debian's `prometheus`
+# package. Where apt-get is missing or we are not root, nothing is installed and those tests skip.
+PROMTOOL_APT := DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus >/dev/null
+promtool:
+	command -v promtool >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
+	  { $(PROMTOOL_APT) || { apt-get update -q >/dev/null && $(PROMTOOL_APT); }; }; } || \
+	  echo "promtool unavailable (no apt-get, or not root): the promtool tests skip"
 
 # The benchmark harness's smoke run: every block for a few seconds against the peer, qag, the plane and the
 # floors; it checks completion and zero non-2xx, never speed. oha is the load generator (crates.io).

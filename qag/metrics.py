@@ -30,6 +30,16 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "qag_recorder_batches_total": ("counter", "Batches the recorder committed to the run store.", ()),
     "qag_store_statements_total": ("counter", "Statements sent to the metadata store (zero on a warm call).", ()),
     "qag_generation": ("gauge", "The global generation of the shared segment.", ()),
+    "qag_change_watcher_current": ("gauge", ("1 while this host's change watcher is caught up with the metadata "
+                                             "store (cached entries are trusted), else 0 (every call re-reads "
+                                             "the store)."), ()),
+}
+
+# Series exported from the first scrape, before anything happened: `increase()` needs a sample before the
+# first event to see it (a series born at 1 has increased by nothing). Counters and histograms without labels
+# are all in; these are the labelled ones whose label values are known in advance.
+INITIAL_LABELS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "qag_plan_cache_total": (("hit",), ("miss",)),
 }
 
 def reference_markdown() -> str:
@@ -172,6 +182,22 @@ class _Collector:
                     acc += n
                     cum.append(("+Inf" if bound == float("inf") else repr(bound), acc))
             fam.add_metric([lv for _, lv in labels], cum, total)
+        if hasattr(backend, "collect"):
+            from shm.layout import HIST_BOUNDS as bounds
+        else:
+            bounds = (*BUCKETS, float("inf"))
+        zero_buckets = [("+Inf" if b == float("inf") else repr(float(b)), 0) for b in bounds]
+        present = {(name, tuple(lv for _, lv in labels)) for name, labels in list(values) + list(hists)}
+        for name, (kind, _doc, labels) in METRICS.items():
+            if kind == "gauge":
+                continue
+            for lvs in (INITIAL_LABELS.get(name, ()) if labels else ((),)):
+                if (name, lvs) in present:
+                    continue
+                if kind == "counter":
+                    fams[name].add_metric(list(lvs), 0.0)
+                else:
+                    fams[name].add_metric(list(lvs), zero_buckets, 0.0)
         for gauge in self.obs.gauges:
             for name, labels, v in gauge():
                 fam = fams.get(name)

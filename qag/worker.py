@@ -44,11 +44,12 @@ def segment_gauges(segment, runtime):
     st = segment.stat()
     for ps in st["process_slots"]:
         ring = ps.get("ring") or {}
-        if ring.get("used"):
-            yield "qag_ring_occupancy_bytes", (str(ps["slot"]),), ring["used"]
+        if ring.get("used") or ps.get("role") in ("worker", "plane"):  # every producer's ring, 0 included
+            yield "qag_ring_occupancy_bytes", (str(ps["slot"]),), ring.get("used", 0)
         if ps.get("role") == "recorder" and ps.get("heartbeat_ns"):
             yield "qag_recorder_lag_seconds", (), max(0.0, (now - ps["heartbeat_ns"]) / 1e9)
     yield "qag_generation", (), segment.global_gen()
+    yield "qag_change_watcher_current", (), 1 if runtime.gens.current() else 0
     for name, (in_use, idle) in runtime.pool_stats().items():
         yield "qag_pool_connections", (name, "in_use", str(runtime.slot)), in_use
         yield "qag_pool_connections", (name, "idle", str(runtime.slot)), idle

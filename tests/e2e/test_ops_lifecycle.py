@@ -33,7 +33,7 @@ def test_failed_start_prints_one_line_and_leaves_no_segment(tmp_path, why):
             "raise ModuleNotFoundError(\"No module named 'clickhouse_connect'\", name='clickhouse_connect')\n")
         env["PYTHONPATH"] = os.pathsep.join([str(shadow), env.get("PYTHONPATH", ROOT)])
     r = subprocess.run([sys.executable, "-m", "qag.cli", "serve", "--workers", "1"], env=env, cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True, timeout=60, check=False)
     lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
     assert r.returncode == 3, r.stdout + r.stderr
     assert len(lines) == 1, r.stdout + r.stderr
@@ -50,7 +50,7 @@ def test_a_running_instance_keeps_its_segment_when_a_second_start_fails():
         names = _shm_names(srv.env["QAG_HOME"], srv.env["QAG_BIND"])
         assert all(os.path.exists(p) for p in names)
         r = subprocess.run([sys.executable, "-m", "qag.cli", "serve", "--workers", "1"], env=srv.env, cwd=ROOT,
-                           capture_output=True, text=True, timeout=60)
+                           capture_output=True, text=True, timeout=60, check=False)
         lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
         assert r.returncode != 0 and len(lines) == 1 and "belongs to a running instance" in lines[0], lines
         assert all(os.path.exists(p) for p in names), "the failed second start removed the running one's segment"
@@ -59,7 +59,7 @@ def test_a_running_instance_keeps_its_segment_when_a_second_start_fails():
 
 
 def _child(srv, title_text: str) -> int:
-    out = subprocess.run(["pgrep", "-P", str(srv.proc.pid)], capture_output=True, text=True).stdout.split()
+    out = subprocess.run(["pgrep", "-P", str(srv.proc.pid)], capture_output=True, text=True, check=False).stdout.split()
     for pid in map(int, out):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -99,5 +99,40 @@ def test_arbiter_logs_how_a_child_really_ended():
             except AssertionError:
                 assert time.time() < deadline
                 time.sleep(0.2)
+    finally:
+        srv.stop()
+
+
+def _samples(srv) -> dict[str, float]:
+    import requests
+    out = {}
+    for line in requests.get(srv.base + "/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_every_series_has_a_sample_before_anything_happened():
+    """increase() alerts fire at the first loss only if the series existed before it (deploy/prometheus/
+    alerts_test.yml models this): a fresh instance exports its counters at 0 and each ring's occupancy."""
+    srv = start_server(args=("--workers", "2"))
+    try:
+        s = _samples(srv)
+        for name in ("qag_runs_lost_total", "qag_runs_recorded_total", "qag_rows_total", "qag_recorder_batches_total",
+                     'qag_plan_cache_total{result="hit"}', 'qag_plan_cache_total{result="miss"}',
+                     "qag_query_duration_seconds_count"):
+            assert s.get(name) == 0.0, (name, s.get(name))
+        deadline = time.time() + 10
+        while not all(f'qag_ring_occupancy_bytes{{slot="{i}"}}' in s for i in (0, 1)):
+            assert time.time() < deadline, sorted(k for k in s if "ring" in k)
+            time.sleep(0.3)  # the second worker may still be booting
+            s = _samples(srv)
+        assert s['qag_ring_occupancy_bytes{slot="0"}'] == 0.0
+        deadline = time.time() + 10
+        while s.get("qag_change_watcher_current") != 1.0:
+            assert time.time() < deadline, s.get("qag_change_watcher_current")
+            time.sleep(0.3)
+            s = _samples(srv)
     finally:
         srv.stop()

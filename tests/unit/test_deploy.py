@@ -614,13 +614,14 @@ def _alerts() -> list[dict]:
 def test_alert_rules_cover_down_errors_lost_runs_lag_and_latency():
     rules = {r["alert"]: r for r in _alerts()}
     assert set(rules) == {"QagInstanceDown", "QagHighErrorRatio", "QagRunsLost", "QagRecorderLag",
-                          "QagHighLatencyP99"}
+                          "QagHighLatencyP99", "QagChangeWatcherBehind"}
     assert "up" in rules["QagInstanceDown"]["expr"]
     assert "> 0.05" in rules["QagHighErrorRatio"]["expr"]
     assert "qag_runs_lost_total" in rules["QagRunsLost"]["expr"] and "> 0" in rules["QagRunsLost"]["expr"]
     assert "> 30" in rules["QagRecorderLag"]["expr"]
     assert "histogram_quantile(0.99" in rules["QagHighLatencyP99"]["expr"]
     assert "> 0.1" in rules["QagHighLatencyP99"]["expr"]
+    assert "qag_change_watcher_current == 0" in rules["QagChangeWatcherBehind"]["expr"]
     for r in rules.values():
         assert r["labels"]["severity"] in ("warning", "critical") and r["annotations"]["summary"]
 
