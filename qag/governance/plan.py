@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 
 from sqlglot import exp
@@ -133,7 +134,7 @@ def plan_governance(*, sql: str, dialect: str, default_schema: str, allowed_tabl
                     allow_unsafe: bool, columns_of, functions_of=None, trusted_functions=(),
                     views_of=None) -> GovernedPlan:
     """Decide once whether the statement may run for this key and how each output column is masked.
-    Checks in this order: unsafe functions, writes (server, key, op), functions, tables, masking.
+    Checks in this order: unsafe functions, writes (server, key, op), tables, masking, functions.
 
     For a key limited by allowed_tables or masking rules ("governed"):
     - every function called must be on the dialect's allow-list (qag/governance/functions/<dialect>.txt) or in
@@ -189,9 +190,6 @@ def plan_governance(*, sql: str, dialect: str, default_schema: str, allowed_tabl
     if from_funcs and trust:
         by_name = _by_name(_defined(functions_of, d))
         from_funcs = [f for f in from_funcs if not trust.trusts(None, f, by_name.get(f.lower(), ()))]
-    if governed:
-        _check_functions(d, [sql] + [v.text for v in views], trust, functions_of,
-                         skip=frozenset(from_funcs))
 
     opaque = a.opaque or next((f"the view {table_text(v.name)}" for v in views if v.analysis.opaque), None)
     if allowed_tables is not None:
@@ -222,6 +220,11 @@ def plan_governance(*, sql: str, dialect: str, default_schema: str, allowed_tabl
         t2, n2 = _masking(a, d, schema, read, rules, columns_of, opaque, from_funcs, tree=expanded)
         transforms = _stricter(transforms, t2)
         names = names or n2
+    if governed:
+        # after tables and masking: their refusals name the more specific cause (a forbidden table, a value that
+        # cannot be traced) when a statement has both
+        _check_functions(d, [(sql, default_schema)] + [(v.text, v.name[0]) for v in views], trust, functions_of,
+                         skip=frozenset(from_funcs), columns_of=columns_of)
     return GovernedPlan(is_write=a.is_write, write_ops=a.write_ops,
                         tables=[table_text(t) for t in read], transforms=transforms,
                         output_names=names, unsafe=unsafe)
@@ -232,40 +235,55 @@ _CALL_HEAD = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_$]*)\s*\(")
 _DIALECT_NAMES = {"postgres": "PostgreSQL", "mysql": "MySQL/MariaDB", "sqlite": "SQLite", "clickhouse": "ClickHouse"}
 
 
-@functools.lru_cache(maxsize=2048)
-def statement_calls(sql: str, d: str) -> tuple[tuple[tuple[str | None, str], ...], frozenset[str]]:
+def statement_calls(sql: str, d: str, columns_of=None, default_schema=None
+                    ) -> tuple[list[tuple[str | None, str]], frozenset[str]]:
     """Every function the statement calls, as (qualifier or None, name): called_functions() (the analysis's
-    list, the database's own names) and, for the built-ins sqlglot models as nodes of their own, the name the
-    dialect's generator writes for that node. Also returns sqlglot's internal names of those nodes
-    (e.g. time_to_str for DATE_FORMAT), which a call list built from sqlglot's names may report.
-    Cached like the analysis (plans are rebuilt often)."""
-    tree = analyze(sql, d).tree
-    calls = list(called_functions(sql, d))
+    list, the database's own names; given the catalogue when it takes one, so that PostgreSQL's attribute
+    notation x.f is told apart from a column) and, for the built-ins sqlglot models as nodes of their own, the
+    name the dialect's generator writes for that node. Also returns sqlglot's internal names of those nodes
+    (e.g. time_to_str for DATE_FORMAT, coalesce for IFNULL), which a call list built from sqlglot's names
+    reports: they were judged by the name the dialect writes."""
+    if _CALLED_TAKES_CATALOGUE:
+        base = called_functions(sql, d, columns_of=columns_of, default_schema=default_schema)
+    else:
+        base = called_functions(sql, d)
+    heads, internal, skip = _tree_calls(sql, d)
+    calls = [(q, n) for q, n in base if q is not None or n.lower() not in skip]
     have = set(calls)
-    internal = set()
-    if tree is not None:
-        # Not calls the allow-list judges: functions in FROM (table functions, set-returning functions and
-        # SQLite's pragma tables are governed by analysis.py as relations) and MySQL optimizer hints
-        # (/*+ NO_INDEX_MERGE(t) */, which sqlglot reads as calls).
-        elsewhere, aside = set(), set()
-        for node in tree.find_all(exp.Func):
-            parent = node.parent
-            if isinstance(parent, (exp.Table, exp.Lateral)) and parent.this is node or node.find_ancestor(exp.Hint):
-                aside.add(func_name(node))
-            else:
-                elsewhere.add(func_name(node))
-        skip = aside - elsewhere
-        if skip:
-            calls = [(q, n) for q, n in calls if q is not None or n.lower() not in skip]
-        for node in tree.find_all(exp.Func):
-            if isinstance(node, exp.Anonymous) or func_name(node) in skip:
-                continue
-            internal.add(node.sql_name().lower())
-            head = _generated_name(node, d)
-            if head is not None and (None, head) not in have:
-                calls.append((None, head))
-                have.add((None, head))
-    return tuple(calls), frozenset(internal)
+    calls += [c for c in heads if c not in have]
+    return calls, internal
+
+
+@functools.lru_cache(maxsize=2048)
+def _tree_calls(sql: str, d: str):
+    """(generated names of sqlglot-modelled built-ins, their internal names, names not judged as calls)."""
+    tree = analyze(sql, d).tree
+    heads: list = []
+    internal: set = set()
+    if tree is None:
+        return (), frozenset(), frozenset()
+    # Not calls the allow-list judges: functions in FROM (table functions, set-returning functions and
+    # SQLite's pragma tables are governed by analysis.py as relations) and MySQL optimizer hints
+    # (/*+ NO_INDEX_MERGE(t) */, which sqlglot reads as calls).
+    elsewhere, aside = set(), set()
+    for node in tree.find_all(exp.Func):
+        parent = node.parent
+        if isinstance(parent, (exp.Table, exp.Lateral)) and parent.this is node or node.find_ancestor(exp.Hint):
+            aside.add(func_name(node))
+        else:
+            elsewhere.add(func_name(node))
+    skip = frozenset(aside - elsewhere)
+    for node in tree.find_all(exp.Func):
+        if isinstance(node, exp.Anonymous) or func_name(node) in skip:
+            continue
+        internal.add(node.sql_name().lower())
+        head = _generated_name(node, d)
+        if head is not None and (None, head) not in heads:
+            heads.append((None, head))
+    return tuple(heads), frozenset(internal), skip
+
+
+_CALLED_TAKES_CATALOGUE = "columns_of" in inspect.signature(called_functions).parameters
 
 
 _HEADS: dict = {}
@@ -295,7 +313,7 @@ def _generated_name(node, d: str) -> str | None:
     return head
 
 
-def _check_functions(d: str, statements, trust: Trust, functions_of, skip: frozenset) -> None:
+def _check_functions(d: str, statements, trust: Trust, functions_of, skip: frozenset, columns_of=None) -> None:
     """403 function_not_allowed unless every call of every statement (the query and the views it reads) is on
     the dialect's allow-list or trusted; a name a user-defined function has is refused unless trusted."""
     al = allow_list(d)
@@ -303,9 +321,8 @@ def _check_functions(d: str, statements, trust: Trust, functions_of, skip: froze
     udfs: list[str] = []
     defined = None
     by_name: dict[str, list[str]] = {}
-    bridge = d != "clickhouse"   # ClickHouse's SQL UDFs are not reported: no name may be waved through there
-    for text in statements:
-        calls, internal = statement_calls(text, d)
+    for text, schema in statements:
+        calls, internal = statement_calls(text, d, columns_of, schema)
         for q, n in calls:
             if q is None and n in skip:
                 continue   # functions in FROM: refused below with the codes the allow-list and masking use
@@ -326,7 +343,7 @@ def _check_functions(d: str, statements, trust: Trust, functions_of, skip: froze
             elif schemas:
                 udfs.append(label)
                 refused.append(label)
-            elif not al.allows(n) and not (bridge and ln in internal):
+            elif not al.allows(n) and ln not in internal:
                 # (a name that is sqlglot's own for a node it models, e.g. time_to_str for DATE_FORMAT, was
                 # checked above by the name the dialect writes for that node)
                 refused.append(label)
