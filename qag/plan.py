@@ -22,7 +22,7 @@ SQLGLOT_DIALECT = {"postgres": "postgres", "mysql": "mysql", "sqlite": "sqlite",
 
 class Plan:
     __slots__ = ("query", "version", "connection", "dialect", "sql", "arg_names", "specs", "is_write", "write_ops",
-                 "transforms", "names", "tables", "page_mode", "gens", "cache_ttl", "key_name")
+                 "transforms", "names", "tables", "page_mode", "gens", "cache_ttl", "key_name", "unknown")
 
     def bind_args(self, values: dict[str, Any]) -> tuple:
         return tuple(values[n] for n in self.arg_names)
@@ -117,6 +117,7 @@ def build(*, key: dict | None, query: dict, version: dict, connection: dict, con
         plan.is_write, plan.write_ops, plan.transforms, plan.tables = _basic_guard(neutral, dialect, cfg, key), \
             frozenset(), None, frozenset()
         plan.names = None
+        plan.unknown = ()
     else:
         try:
             gp = governance.plan_governance(
@@ -136,6 +137,7 @@ def build(*, key: dict | None, query: dict, version: dict, connection: dict, con
         plan.transforms = gp.transforms
         plan.names = getattr(gp, "output_names", None)
         plan.tables = gp.tables
+        plan.unknown = getattr(gp, "unknown", ())
     plan.page_mode = "none" if plan.is_write else page_mode(sql, dialect)
     return plan
 

@@ -270,9 +270,20 @@ class Runtime:
             cached = self._views.get(conn_name)
             if cached is None or cached[0] != gen:
                 read = getattr(connector, "views", None)
-                cached = (gen, dict(read()) if read is not None else {})
+                cached = (gen, dict(read()) if read is not None else {}, time.monotonic())
                 self._views[conn_name] = cached
             return cached[1]
+
+        def refresh() -> bool:
+            """A statement names a relation the catalogue does not know: read the columns, views and functions
+            again (at most every 2 s per connection), in case it was created since they were read."""
+            cached = self._views.get(conn_name)
+            if cached is not None and cached[0] == gen and time.monotonic() - cached[2] < 2.0:
+                return False
+            for cache in (self._views, self._schemas, self._functions):
+                cache.pop(conn_name, None)
+            return True
+        views_of.refresh = refresh
         return views_of
 
     def plan(self, principal: Principal, query_name: str, version_no: int | None):
@@ -316,7 +327,9 @@ class Runtime:
                            cfg=self.cfg, gens=gens, columns_of=self.columns_of_factory(crow["name"], connector, cgen),
                            functions_of=self.functions_of_factory(crow["name"], connector, cgen),
                            views_of=self.views_of_factory(crow["name"], connector, cgen))
-        if self.gens is not None:
+        # A governed plan naming relations the catalogue does not know is used once, never kept nor published:
+        # kept, it would read a view created later as an ungoverned table.
+        if self.gens is not None and not getattr(p, "unknown", ()):
             if len(self._plans) > 10000:
                 self._plans.clear()
             self._plans[pkey] = p

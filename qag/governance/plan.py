@@ -21,9 +21,9 @@ _PLAN_VERSION = 1
 class GovernedPlan:
     """Immutable outcome of plan_governance; to_dict()/from_dict() round-trip through msgpack."""
 
-    __slots__ = ("is_write", "output_names", "tables", "transforms", "unsafe", "write_ops")
+    __slots__ = ("is_write", "output_names", "tables", "transforms", "unknown", "unsafe", "write_ops")
 
-    def __init__(self, *, is_write, write_ops, tables, transforms, output_names=None, unsafe=()):
+    def __init__(self, *, is_write, write_ops, tables, transforms, output_names=None, unsafe=(), unknown=()):
         set_ = object.__setattr__
         set_(self, "is_write", bool(is_write))
         set_(self, "write_ops", frozenset(write_ops))
@@ -32,6 +32,10 @@ class GovernedPlan:
         # Best-effort names of the output columns (before drop), for catalogues and name checks.
         set_(self, "output_names", tuple(output_names) if output_names is not None else None)
         set_(self, "unsafe", tuple(unsafe))
+        # Relations a governed key's statement names that the connection's catalogue did not know when the plan
+        # was built (a table or view created since, or none at all): such a plan must not be kept, or a view
+        # created later would be read as an ungoverned table by the kept plan.
+        set_(self, "unknown", tuple(unknown))
 
     def __setattr__(self, name, value):
         raise AttributeError("GovernedPlan is immutable")
@@ -48,6 +52,7 @@ class GovernedPlan:
             "transforms": list(self.transforms) if self.transforms is not None else None,
             "output_names": list(self.output_names) if self.output_names is not None else None,
             "unsafe": list(self.unsafe),
+            "unknown": list(self.unknown),
         }
 
     @classmethod
@@ -56,7 +61,7 @@ class GovernedPlan:
             raise ValueError(f"governed plan version {d.get('v')!r} is not {_PLAN_VERSION}")
         return cls(is_write=d["is_write"], write_ops=d["write_ops"], tables=d["tables"],
                    transforms=d.get("transforms"), output_names=d.get("output_names"),
-                   unsafe=d.get("unsafe") or ())
+                   unsafe=d.get("unsafe") or (), unknown=d.get("unknown") or ())
 
     def masked_columns(self) -> list[dict]:
         """What a catalogue shows: each masked output position, its column name and action."""
@@ -158,7 +163,11 @@ def plan_governance(*, sql: str, dialect: str, default_schema: str, allowed_tabl
     views: list[_View] = []
     direct = resolve(a.table_refs, d, schema)
     tables = direct
+    unknown: list = []
     if governed and views_of is not None and a.table_refs:
+        unknown = _unknown_relations(direct, d, views_of, columns_of)
+        if unknown and getattr(views_of, "refresh", None) is not None and views_of.refresh():
+            unknown = _unknown_relations(direct, d, views_of, columns_of)   # the catalogue was read again
         tables, views = _expand_views(direct, d, views_of)
     unsafe = tuple(dict.fromkeys((*a.unsafe, *(u for v in views for u in v.analysis.unsafe))))
 
@@ -227,7 +236,7 @@ def plan_governance(*, sql: str, dialect: str, default_schema: str, allowed_tabl
                          skip=frozenset(from_funcs), columns_of=columns_of)
     return GovernedPlan(is_write=a.is_write, write_ops=a.write_ops,
                         tables=[table_text(t) for t in read], transforms=transforms,
-                        output_names=names, unsafe=unsafe)
+                        output_names=names, unsafe=unsafe, unknown=[table_text(t) for t in unknown])
 
 
 # ---------------------------------------------------------------------------------------------- functions
@@ -409,6 +418,12 @@ class _View:
         self.tree = tree            # the definition's query tree (not yet expanded)
         self.columns = columns      # the view's own column names when its definition lists them, else None
         self.reads = reads          # resolved relations the definition names
+
+
+def _unknown_relations(direct, d: str, views_of, columns_of) -> list:
+    """The relations neither the views nor the columns catalogue know (sorted)."""
+    index = _views_index(views_of, d)
+    return sorted(t for t in direct if _view_key(t, d) not in index and columns_of(t[0], t[1]) is None)
 
 
 def _view_key(t, d: str) -> tuple[str, str]:

@@ -229,3 +229,22 @@ def test_sqlite_and_clickhouse_views_read_from_the_database(tmp_path):
         assert p.transforms == (None, "hash")
     finally:
         ch.close()
+
+
+def test_postgresql_view_created_after_the_catalogue_was_read(pg_app):
+    """A saved query names a relation that does not exist yet; an operator later creates it as a view over a
+    masked column. The plan built while it was unknown is not kept, so the view is governed once it exists."""
+    import time
+    c = pg_app
+    query(c, "later", "SELECT id, contact FROM later_contacts ORDER BY id")
+    query(c, "known", "SELECT id, contact FROM contacts ORDER BY id")
+    _, _, masked = keys(c, ["later", "known"], ["customers"], "customers.email")
+    assert call(c, masked, "known").json[0]["contact"] == "a***@example.com"   # the catalogue is read now
+    r = call(c, masked, "later")
+    assert r.status_code == 500 and r.json["code"] == "query_failed", r.text   # no such relation yet
+    pg_exec(f"postgresql://postgres@127.0.0.1:5432/{PG_DB}",
+            "CREATE VIEW public.later_contacts AS SELECT id, email AS contact FROM public.customers")
+    time.sleep(2.1)   # the catalogue is read again at most every 2 s per connection
+    r = call(c, masked, "later")
+    assert r.status_code == 200 and r.json[0] == {"id": 1, "contact": "a***@example.com"}, r.text
+    assert call(c, masked, "later").json[1] == {"id": 2, "contact": "b***@example.org"}
