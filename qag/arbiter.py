@@ -47,6 +47,26 @@ def run_store_url(cfg) -> str:
     return os.path.join(cfg.home, "runs.db")
 
 
+def _probe_bind(addr: str) -> None:
+    """StartFailed now if a TCP address (HOST:PORT, [V6]:PORT) cannot be listened on; unix sockets are gunicorn's."""
+    import socket
+    if addr.startswith(("unix:", "fd://")) or ":" not in addr:
+        return
+    host, _, port = addr.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, ValueError) as exc:
+        raise StartFailed(f"cannot listen on {addr}: {_one_line(exc)}") from None
+    fam, kind, proto, _, sockaddr = infos[0]
+    with socket.socket(fam, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gunicorn binds
+        try:
+            probe.bind(sockaddr)
+        except OSError as exc:
+            raise StartFailed(f"cannot listen on {addr}: {exc.strerror or exc}") from None
+
+
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     line = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
@@ -202,6 +222,8 @@ class ArbiterHooks:
         import shm
         self.segment_name = instance_name(self.cfg)
         slots = slot_count(self.workers)
+        for addr in {getattr(self.cfg, "public_bind", None) or self.cfg.bind, self.cfg.bind}:
+            _probe_bind(addr)  # before anything is made: gunicorn would retry for 5 s, logging each try
         try:
             self.segment = shm.Segment.create(self.segment_name, self.cfg.shm_size, slots=slots)
         except shm.LayoutError as exc:  # another running instance owns it: never remove that one's segment

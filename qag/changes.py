@@ -115,8 +115,11 @@ class ChangeWatcher:
             # invalidating everything makes each cached entry re-read it; the ones after `top` follow.
             self.seg.bump_all()
             self.full_bumps += 1
-            log.info("change watcher: position unknown (%s, store at %d): every generation bumped",
-                     "new segment" if self.position is None else f"segment at {self.position}", top)
+            if self.position is None:
+                log.debug("change watcher: no position in the segment (store at %d): every generation bumped", top)
+            else:
+                log.warning("change watcher: the segment is at change %d, the store at %d: every generation bumped",
+                            self.position, top)
             self.position = top
         while True:
             rows = self.store.changes_since(self.position, BATCH)

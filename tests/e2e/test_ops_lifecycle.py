@@ -52,7 +52,8 @@ def test_a_running_instance_keeps_its_segment_when_a_second_start_fails():
         r = subprocess.run([sys.executable, "-m", "qag.cli", "serve", "--workers", "1"], env=srv.env, cwd=ROOT,
                            capture_output=True, text=True, timeout=60, check=False)
         lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
-        assert r.returncode != 0 and len(lines) == 1 and "belongs to a running instance" in lines[0], lines
+        assert r.returncode == 3 and len(lines) == 1, lines
+        assert lines[0] == f"qag: cannot start: cannot listen on {srv.env['QAG_BIND']}: Address already in use"
         assert all(os.path.exists(p) for p in names), "the failed second start removed the running one's segment"
     finally:
         srv.stop()
@@ -136,3 +137,18 @@ def test_every_series_has_a_sample_before_anything_happened():
             s = _samples(srv)
     finally:
         srv.stop()
+
+
+def test_address_in_use_is_one_line_and_leaves_no_segment(tmp_path):
+    import socket
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        bind = f"127.0.0.1:{busy.getsockname()[1]}"
+        home = str(tmp_path / "home")
+        env = dict(os.environ, QAG_HOME=home, QAG_BIND=bind, QAG_ADMIN_KEY="adm", QAG_LOG_LEVEL="warning")
+        r = subprocess.run([sys.executable, "-m", "qag.cli", "serve", "--workers", "1"], env=env, cwd=ROOT,
+                           capture_output=True, text=True, timeout=60, check=False)
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
+    assert r.returncode == 3 and lines == [f"qag: cannot start: cannot listen on {bind}: Address already in use"], lines
+    assert [p for p in _shm_names(home, bind) if os.path.exists(p)] == []
