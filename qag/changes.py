@@ -1,6 +1,6 @@
 """Changes made elsewhere reach this host's generations: another host on the same PostgreSQL store (through
 `LISTEN qag_changes`, delivered at the other host's commit), or an edit that did not go through this host
-(the CLI, a script): the store's change log is read as a fallback every QAG_CHANGE_POLL_S seconds.
+(the CLI, a script): the store's change log is read as a fallback every second (POLL_S).
 
 Nothing can be lost between the two. Every change carries a sequence number that commits in order
 (qag/store.py, migration 2), and the watcher remembers in the segment the last one it applied (its slot's

@@ -3,7 +3,8 @@
 
 One SQL text serves both engines: statements are written with `?` markers and translated to `%s` for
 psycopg2. Every change is one transaction that also writes its audit row; the caller bumps the
-generations the change affects after commit and before acknowledging it (see qag/generations.py).
+generations the change affects after commit and before acknowledging it (qag/runtime.py), and other hosts
+apply it from its sequence number (qag/changes.py).
 """
 from __future__ import annotations
 
