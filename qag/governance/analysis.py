@@ -14,6 +14,7 @@ import sqlglot
 from sqlglot import exp
 from sqlglot.errors import SqlglotError
 
+from . import pgparse
 from .errors import GovernanceError
 
 # sqlglot logs a warning whenever it falls back to exp.Command; we handle that case ourselves.
@@ -201,6 +202,7 @@ class Analysis:
         "has_output",
         "is_write",
         "opaque",
+        "reading",
         "sql",
         "table_refs",
         "tree",
@@ -221,6 +223,7 @@ class Analysis:
         self.explain = explain                # output is a plan, not data
         self.has_output = has_output          # whether rows of data come back (SELECT, RETURNING, ...)
         self.from_funcs = from_funcs          # functions in FROM not known to be pure (UDFs may read anything)
+        self.reading = None                   # PostgreSQL: pgparse.Reading, what PostgreSQL's parser read
 
     def __repr__(self) -> str:
         return (f"Analysis(is_write={self.is_write}, write_ops={sorted(self.write_ops)}, unsafe={self.unsafe}, "
@@ -241,6 +244,18 @@ def _analyze_cached(sql: str, dialect: str) -> Analysis:
         raise GovernanceError(400, "invalid_sql",
                               "MySQL executable comments (/*! ... */) are refused: the server runs their "
                               "text but it cannot be analysed; write the SQL without them")
+    if dialect == "postgres":
+        # PostgreSQL's parser is the authority: one statement, names as the server decodes them; sqlglot reads
+        # the statement re-spelled from PostgreSQL's tokens and must agree with it (pgparse.cross_check).
+        reading = pgparse.read(sql)
+        tree = _parse_one(reading.text, dialect)
+        a = _classify(reading.text, dialect, tree)
+        a.sql = sql
+        if not isinstance(a.tree, exp.Command):
+            pgparse.cross_check(reading, a.tree if a.explain else tree, _pg_norm)
+        a.reading = reading
+        _pg_function_checks(a, reading)
+        return a
     tree = _parse_one(sql, dialect)
     a = _classify(sql, dialect, tree)
     if dialect == "mysql" and _MYSQL_SESSION_HINT.search(sql):
@@ -250,18 +265,59 @@ def _analyze_cached(sql: str, dialect: str) -> Analysis:
     return a
 
 
-@functools.lru_cache(maxsize=2048)
-def called_functions(sql: str, dialect: str) -> tuple[tuple[str | None, str], ...]:
-    """The functions a statement calls that sqlglot does not model as built-ins: (qualifier or None, name),
-    names lowercased. A database's own functions and user-defined ones both land here; which are which
-    only the database can say (plan.py asks it through `functions_of`)."""
+def _pg_norm(ident) -> str:
+    return normalize_identifier(ident, "postgres")
+
+
+def _pg_function_checks(a: Analysis, reading) -> None:
+    """File/server-reaching and state-changing functions judged on the names PostgreSQL's parser read."""
+    unsafe = list(a.unsafe)
+    ops = set(a.write_ops)
+    for _, name in reading.functions:
+        low = name.lower()
+        if low in _UNSAFE_FUNCS["postgres"] or low.startswith(_UNSAFE_PREFIXES["postgres"]):
+            unsafe.append(name)
+        op = _WRITE_FUNCS["postgres"].get(low)
+        if op:
+            ops.add(op)
+    a.unsafe = tuple(dict.fromkeys(unsafe))
+    if ops != set(a.write_ops):
+        a.write_ops = frozenset(ops)
+        a.is_write = True
+
+
+def called_functions(sql: str, dialect: str, columns_of=None, default_schema=None) -> tuple[tuple[str | None, str], ...]:
+    """EVERY function the statement calls: (schema or None, name).
+
+    PostgreSQL: as PostgreSQL's parser reads them (Unicode escapes decoded, unquoted names folded, quoted
+    ones kept exactly), including attribute notation: `x.f` / `(x).f` where x is a FROM item and f is not
+    one of its columns is the call f(x). Without columns_of every such `x.name` counts (the columns are
+    unknown); with columns_of(schema, table) -> list | None a table's known columns are told apart.
+    Other dialects: from sqlglot's tree, lowercased (their function names are case-insensitive); a
+    built-in sqlglot models comes back under sqlglot's name for it (IFNULL -> coalesce)."""
     dialect = canonical_dialect(dialect)
+    base = _called_cached(sql, dialect)
+    if dialect != "postgres":
+        return base
+    from .tables import default_schema_for, resolve
+
+    reading = analyze(sql, dialect).reading
+    schema = default_schema_for(dialect, default_schema)
+    attrs = pgparse.attribute_calls(
+        reading, columns_of, (lambda ref: next(iter(resolve([ref], dialect, schema)))) if columns_of else None)
+    return tuple(dict.fromkeys(base + tuple((None, n) for n in attrs)))
+
+
+@functools.lru_cache(maxsize=2048)
+def _called_cached(sql: str, dialect: str) -> tuple[tuple[str | None, str], ...]:
+    if dialect == "postgres":
+        return analyze(sql, dialect).reading.functions
     tree = _parse_one(sql, dialect)
     out = []
-    for node in tree.find_all(exp.Anonymous):
+    for node in tree.find_all(exp.Func):
         qualifier = None
         parent = node.parent
-        if isinstance(parent, exp.Dot) and parent.expression is node:
+        if isinstance(node, exp.Anonymous) and isinstance(parent, exp.Dot) and parent.expression is node:
             q = parent.this
             qualifier = (q.this if isinstance(q, exp.Identifier) else q.sql(dialect)).lower() \
                 if isinstance(q, exp.Expression) else str(q).lower()

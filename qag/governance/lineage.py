@@ -12,9 +12,21 @@ from sqlglot import exp
 from .analysis import func_name, normalize_identifier
 
 # A lineage is a frozenset of items:
-#   ("c", schema, table, column)  the value of that column (names lowercased for matching)
+#   ("c", schema, table, column)  the value of that column, as it is or through an exact pass-through
+#                                 (names lowercased for matching)
+#   ("e", schema, table, column)  a value computed from that column by an expression that rearranges it
+#                                 (a per-column rule holds for it only if it hides the whole value)
 #   ("t", schema, table)          some column(s) of that table whose names are not known
+#   ("w", schema, table[, column]) a whole-row or composite value holding that column (or columns of that table
+#                                 whose names are not known) (SELECT c,
+#                                 row_to_json(c), c.f attribute notation, ROW(..), JSON and array builders):
+#                                 no per-column rule can apply inside it
 #   ("?", why)                    anything at all
+#
+# Names are compared as the database compares them: PostgreSQL keeps quoted names exactly (unquoted ones
+# arrive folded by normalize_identifier), so "C" is not c and "EMAIL" is not email; MySQL/MariaDB and
+# SQLite compare column names without case, and a MySQL table alias that could be either of two FROM
+# items (aliases are case-sensitive, or not, with lower_case_table_names) counts as both.
 EMPTY: frozenset = frozenset()
 _QUERY = (exp.Select, exp.SetOperation, exp.Subquery, exp.Values)
 _DML = (exp.Insert, exp.Update, exp.Delete, exp.Merge)
@@ -31,22 +43,61 @@ class Unknown:
         self.why = why
 
 
-class _Source:
-    __slots__ = ("alias", "any_lineage", "cols", "pending", "table")
+def _derive(lin):
+    """The lineage of a value computed from `lin` (not a pass-through): column items become "e"."""
+    return frozenset(("e",) + i[1:] if i[0] == "c" else i for i in lin)
 
-    def __init__(self, alias, cols, table=None, any_lineage=EMPTY, pending=False):
-        self.alias = alias            # name the query uses for it (lowercased)
-        self.cols = cols              # list[(name, lineage)] or None if unknown
+
+def _whole(lin):
+    """The lineage of a whole-row or composite value built from `lin`: no per-column rule applies inside it."""
+    return frozenset(("w",) + i[1:] if i[0] in ("c", "e", "t") else i for i in lin)
+
+
+# Values that hold several values at once (a row, JSON, an array): a rule on one column cannot be applied
+# inside them, so a masked column flowing into one is refused (lineage "w").
+_COMPOSITE_NODES = tuple(c for c in (getattr(exp, n, None) for n in (
+    "Tuple", "Array", "ArrayAgg", "Struct", "JSONObject", "JSONObjectAgg", "JSONArray", "JSONArrayAgg",
+    "ArrayConcat", "ArrayAppend", "ArrayPrepend", "Map", "VarMap", "ToMap", "JSONBObjectAgg", "ArrayUniqueAgg",
+    "GroupConcat")) if c is not None)
+_COMPOSITE_FUNCS = frozenset("""
+    row to_json to_jsonb row_to_json array_to_json json_agg jsonb_agg json_object_agg jsonb_object_agg
+    json_build_object jsonb_build_object json_build_array jsonb_build_array json_object jsonb_object array_agg
+    hstore xmlforest xmlelement xmlagg xmlconcat json_array json_arrayagg json_objectagg json_strip_nulls
+    jsonb_strip_nulls jsonb_insert jsonb_set json_populate_record jsonb_populate_record record_out
+    """.split())
+
+
+def _ident(name):
+    return name
+
+
+def _lower(name):
+    return name.lower() if name is not None else None
+
+
+class _Source:
+    __slots__ = ("alias", "any_lineage", "cols", "fold", "pending", "table")
+
+    def __init__(self, alias, cols, table=None, any_lineage=EMPTY, pending=False, fold=_lower):
+        self.alias = alias            # name the query uses for it (folded as the dialect compares names)
+        self.cols = cols              # list[(name | None, lineage)] or None if unknown; None: an unnamed expression
         self.table = table            # (schema, table) for a real table
         self.any_lineage = any_lineage
         self.pending = pending        # a recursive CTE whose columns are still being computed
+        self.fold = fold
 
     def col(self, name):
+        """(lineage or None, definitely found). An unnamed output column (the server names it: lower,
+        ?column?, ...) may be the one asked for: its lineage is included, never as definite."""
         if self.cols is not None:
-            found = [lin for n, lin in self.cols if n.lower() == name]
-            return (frozenset().union(*found) if found else None), bool(found)
+            fold = self.fold
+            found = [lin for n, lin in self.cols if n is not None and fold(n) == name]
+            maybe = [lin for n, lin in self.cols if n is None]
+            if found:
+                return _union(found), True      # had an unnamed one the same name, the server says ambiguous
+            return (_union(maybe) if maybe else None), False
         if self.table is not None:
-            return frozenset({("c", self.table[0].lower(), self.table[1].lower(), name)}), False
+            return frozenset({("c", self.table[0].lower(), self.table[1].lower(), name.lower())}), False
         return self.any_lineage, False
 
     def all(self):
@@ -83,6 +134,7 @@ class Lineage:
 
     def __init__(self, dialect, default_schema, columns_of, resolve_ref):
         self.d = dialect
+        self.fold = _ident if dialect in ("postgres", "clickhouse") else _lower
         self.default_schema = default_schema
         self._columns_of = columns_of
         self._cols_cache: dict = {}
@@ -213,23 +265,23 @@ class Lineage:
         exprs: dict = {}
         for node in _walk_local(q):
             if isinstance(node, exp.Alias) and node.args.get("alias") is not None:
-                exprs.setdefault(node.alias.lower(), []).append(node.this)
+                exprs.setdefault(self.fold(self.norm(node.args["alias"])), []).append(node.this)
         with_ = q.args.get("with_") if "with_" in q.args else q.args.get("with")
         if isinstance(with_, exp.With):
             for cte in with_.expressions:
                 if cte.args.get("scalar") and isinstance(cte.args.get("alias"), exp.TableAlias):
-                    exprs.setdefault(cte.alias.lower(), []).append(cte.this)
+                    exprs.setdefault(self.fold(cte.alias), []).append(cte.this)
         for join in q.args.get("joins") or []:
             if str(join.args.get("kind") or "").upper() == "ARRAY":
                 for e in ([join.this] + list(join.args.get("expressions") or [])):
                     if isinstance(e, exp.Alias):
-                        exprs.setdefault(e.alias.lower(), []).append(e.this)
+                        exprs.setdefault(self.fold(e.alias), []).append(e.this)
         if not exprs:
             return
         lin = {name: EMPTY for name in exprs}
         for _ in range(_MAX_ROUNDS):
             scope.aliases = lin
-            new = {name: _union(self.expr(e, scope) for e in es) for name, es in exprs.items()}
+            new = {name: _union(self.value(e, scope) for e in es) for name, es in exprs.items()}
             if new == lin:
                 break
             lin = new
@@ -252,14 +304,21 @@ class Lineage:
             return self.star(e.this, scope, list(src.cols))
         if isinstance(e, exp.Columns):
             return Unknown(self.scope_all(scope), "COLUMNS(...) matcher")
-        # The name the server will report, where it is predictable (a column or an alias); None otherwise.
+        # The name the server will report, where it is predictable (a column or an alias), as the dialect
+        # folds it; None otherwise (the server names it: "lower", "?column?", the expression's text).
+        name = None
         if isinstance(e, exp.Alias):
-            name = e.alias
+            alias = e.args.get("alias")
+            name = self.norm(alias) if isinstance(alias, exp.Identifier) else (e.alias or None)
         elif isinstance(e, exp.Column):
-            name = e.name
-        else:
-            name = None
-        return [(name, self.expr(e, scope))]
+            name = self.norm(e.this) if isinstance(e.this, exp.Identifier) else (e.name or None)
+        return [(name, self.value(e, scope))]
+
+    def value(self, e, scope):
+        """The lineage of the value of expression e: its sources' items as they are when e passes one
+        value through unchanged (exact_passthrough), else derived ("e")."""
+        lin = self.expr(e, scope)
+        return lin if _exact(e) else _derive(lin)
 
     def star(self, star, scope, cols):
         if isinstance(cols, Unknown):
@@ -267,13 +326,13 @@ class Lineage:
         cols = list(cols)
         excl = star.args.get("except_") if "except_" in star.args else star.args.get("except")
         if excl:
-            drop = {c.name.lower() for c in excl}
-            cols = [(n, lin) for n, lin in cols if n.lower() not in drop]
+            drop = {self.fold(self.norm(c.this) if isinstance(c.this, exp.Identifier) else c.name) for c in excl}
+            cols = [(n, lin) for n, lin in cols if n is None or self.fold(n) not in drop]
         repl = star.args.get("replace")
         if repl:
-            by = {r.alias.lower(): self.expr(r.this, scope) for r in repl if isinstance(r, exp.Alias)}
+            by = {self.fold(r.alias): self.value(r.this, scope) for r in repl if isinstance(r, exp.Alias)}
             # ClickHouse REPLACE keeps the column's position and takes the new expression's lineage.
-            cols = [(n, by[n.lower()]) if n.lower() in by else (n, lin) for n, lin in cols]
+            cols = [(n, by[self.fold(n)]) if n is not None and self.fold(n) in by else (n, lin) for n, lin in cols]
         return cols
 
     def scope_all(self, scope):
@@ -287,7 +346,7 @@ class Lineage:
         if join is not None and str(join.args.get("kind") or "").upper() == "ARRAY":
             return   # ClickHouse ARRAY JOIN: its aliases were collected; * keeps the table's columns
         scope.sources.append(src)
-        using = [self.norm(u).lower() if isinstance(u, exp.Identifier) else str(u.name).lower()
+        using = [self.fold(self.norm(u)) if isinstance(u, exp.Identifier) else self.fold(str(u.name))
                  for u in (join.args.get("using") or [])] if join is not None else []
         natural = join is not None and str(join.args.get("method") or "").upper() == "NATURAL"
         right = list(src.cols) if src.cols is not None else Unknown(src.all(), f"columns of {src.alias} unknown")
@@ -299,12 +358,12 @@ class Lineage:
             scope.merged = Unknown(self.flat(left) | self.flat(right), "a joined source of unknown columns")
             return
         if natural:
-            rnames = {n.lower() for n, _ in right}
-            using = [n.lower() for n, _ in left if n.lower() in rnames]
+            rnames = {self.fold(n) for n, _ in right if n is not None}
+            using = [self.fold(n) for n, _ in left if n is not None and self.fold(n) in rnames]
         if not using:
             scope.merged = left + right
             return
-        scope.merged = _merge_using(left, right, using, self.d, natural)
+        scope.merged = _merge_using(left, right, using, self.d, natural, self.fold)
 
     def make_source(self, node, scope, ctes):
         d = self.d
@@ -322,10 +381,10 @@ class Lineage:
                 if db is None and name in ctes:
                     kind, cols = ctes[name]
                     if kind == "pending":
-                        return _Source((alias or name).lower(), None, pending=True)
+                        return self._src(alias or name, None, pending=True)
                     if isinstance(cols, Unknown):
-                        return _Source((alias or name).lower(), None, any_lineage=cols.lineage)
-                    return _Source((alias or name).lower(), self._rename(cols, colnames))
+                        return self._src(alias or name, None, any_lineage=cols.lineage)
+                    return self._src(alias or name, self._rename(cols, colnames))
                 if db is None and d == "mysql" and name == "dual":
                     return None
                 table = self.resolve_ref((self.norm(db) if isinstance(db, exp.Identifier) else None, name))
@@ -334,7 +393,7 @@ class Lineage:
                 if known is not None:
                     cols = [(c, frozenset({("c", table[0].lower(), table[1].lower(), c.lower())})) for c in known]
                     cols = self._rename(cols, colnames)
-                src = _Source((alias or name).lower(), cols, table)
+                src = self._src(alias or name, cols, table)
                 for j in node.args.get("joins") or []:       # MySQL UPDATE t JOIN s ...
                     self.add_source(j.this, scope, ctes, j)
                 return src
@@ -354,16 +413,16 @@ class Lineage:
                 return self._derived(alias, colnames, cols)
             return self._func_source(alias, colnames, self.expr(inner, scope), inner)
         if isinstance(node, exp.Unnest):
-            lin = _union(self.expr(e, scope) for e in node.expressions)
+            lin = _derive(_union(self.expr(e, scope) for e in node.expressions))
             width = len(node.expressions) + (1 if node.args.get("offset") else 0)
             names = colnames or ([alias] if alias and width == 1 else None)
             if names and len(names) == width:
-                return _Source((alias or "unnest").lower(), [(n, lin) for n in names])
-            return _Source((alias or "unnest").lower(), [(f"unnest{i}", lin) for i in range(width)])
+                return self._src(alias or "unnest", [(n, lin) for n in names])
+            return self._src(alias or "unnest", [(f"unnest{i}", lin) for i in range(width)])
         if isinstance(node, exp.Values):
             if d == "clickhouse":
                 # ClickHouse values('a UInt8, b String', ...) declares its columns in a string.
-                return _Source((alias or "values").lower(), None, any_lineage=EMPTY)
+                return self._src(alias or "values", None, any_lineage=EMPTY)
             cols = self.values(node, scope)
             return self._derived(alias, colnames, cols)
         if isinstance(node, _QUERY):
@@ -372,13 +431,17 @@ class Lineage:
 
     def _derived(self, alias, colnames, cols):
         if isinstance(cols, Unknown):
-            return _Source((alias or "?").lower(), None, any_lineage=cols.lineage | {("?", cols.why)})
-        return _Source((alias or "?").lower(), self._rename(cols, colnames))
+            return self._src(alias or "?", None, any_lineage=cols.lineage | {("?", cols.why)})
+        return self._src(alias or "?", self._rename(cols, colnames))
+
+    def _src(self, alias, cols, table=None, any_lineage=EMPTY, pending=False):
+        return _Source(self.fold(alias), cols, table, any_lineage, pending, self.fold)
 
     def _func_source(self, alias, colnames, args_lin, func):
-        alias = (alias or "?").lower()
+        alias = self.fold(alias or "?")
+        args_lin = _derive(args_lin)
         if colnames:
-            return _Source(alias, [(n, args_lin) for n in colnames], any_lineage=args_lin)
+            return _Source(alias, [(n, args_lin) for n in colnames], any_lineage=args_lin, fold=self.fold)
         fname = func_name(func) if isinstance(func, exp.Func) else ""
         single = {"generate_series": None, "exploding_generate_series": None, "generateseries": None,
                   "unnest": None, "generate_subscripts": None, "numbers": "number", "numbers_mt": "number",
@@ -386,9 +449,9 @@ class Lineage:
                   "json_array_elements": None, "jsonb_array_elements": None, "json_array_elements_text": None,
                   "jsonb_array_elements_text": None}
         if fname in single:
-            return _Source(alias, [(single[fname] or alias, args_lin)], any_lineage=args_lin)
+            return _Source(alias, [(single[fname] or alias, args_lin)], any_lineage=args_lin, fold=self.fold)
         # A set-returning function of unknown shape: its columns derive from its arguments.
-        return _Source(alias, None, any_lineage=args_lin)
+        return _Source(alias, None, any_lineage=args_lin, fold=self.fold)
 
     # ---- DML with RETURNING --------------------------------------------------------------------------------
     def dml(self, q, ctes, outer):
@@ -432,22 +495,40 @@ class Lineage:
 
     # ---- expressions ---------------------------------------------------------------------------------------
     def find_source(self, col, scope):
+        """The FROM item a qualified column names; for MySQL/MariaDB a _Source merging every item the
+        qualifier could name (table aliases are case-sensitive or not with lower_case_table_names, and
+        normalize_identifier has already lowercased them): the lineage then covers both readings."""
+        found = self.find_sources(col, scope)
+        if not found:
+            return None
+        if len(found) == 1:
+            return found[0]
+        cols = None
+        if all(f.cols is not None for f in found):
+            cols = [(n, lin) for f in found for n, lin in f.cols]
+        return _Source(found[0].alias, cols, None, _union(f.all() for f in found), fold=self.fold)
+
+    def find_sources(self, col, scope):
         qual = col.args.get("table")
         if qual is None:
-            return None
-        qname = self.norm(qual).lower()
+            return []
+        fold = self.fold
+        qname = fold(self.norm(qual))
         db = col.args.get("db")
-        dbname = self.norm(db).lower() if isinstance(db, exp.Identifier) else None
+        dbname = fold(self.norm(db)) if isinstance(db, exp.Identifier) else None
+        out = []
         s = scope
         while s is not None:
             for src in s.sources:
                 if dbname is not None:
-                    if src.table is not None and src.table[0].lower() == dbname and src.table[1].lower() == qname:
-                        return src
+                    if src.table is not None and fold(src.table[0]) == dbname and fold(src.table[1]) == qname:
+                        out.append(src)
                 elif src.alias == qname:
-                    return src
+                    out.append(src)
+            if out and self.d != "mysql":
+                return out[:1]
             s = s.parent
-        return None
+        return out
 
     def expr(self, e, scope):
         """Everything an expression's value may derive from, including subqueries inside it."""
@@ -460,16 +541,32 @@ class Lineage:
             if isinstance(node, exp.Column):
                 out |= self.column(node, scope)
                 continue
+            if isinstance(node, exp.Dot) and isinstance(node.this, exp.Paren) and \
+                    isinstance(node.this.this, exp.Column) and not node.this.this.args.get("table") and \
+                    isinstance(node.expression, exp.Identifier):
+                # PostgreSQL (x).f: the column f of the row x, or the call f(x) (then a whole-row value).
+                ref = exp.Column(this=node.expression.copy(), table=node.this.this.this.copy())
+                if self.find_source(ref, scope) is not None:
+                    out |= self.column(ref, scope)
+                    continue
+            if isinstance(node, _COMPOSITE_NODES) or (isinstance(node, exp.Func) and func_name(node) in _COMPOSITE_FUNCS):
+                inner = set()
+                for v in node.args.values():
+                    for x in (v if isinstance(v, list) else [v]):
+                        if isinstance(x, exp.Expression):
+                            inner |= self.expr(x, scope)
+                out |= _whole(inner)
+                continue
             if isinstance(node, exp.Star):
                 if not isinstance(node.parent, exp.Count):
-                    out |= self.flat(scope.merged) if scope.sources else EMPTY
+                    out |= _whole(self.flat(scope.merged)) if scope.sources else EMPTY
                 continue
             if isinstance(node, exp.Exists):
                 inner = node.this
-                out |= self.refs(inner.this if isinstance(inner, exp.Subquery) else inner, scope)
+                out |= _derive(self.refs(inner.this if isinstance(inner, exp.Subquery) else inner, scope))
                 continue
             if isinstance(node, (_QUERY, _DML)):
-                out |= self.flat(self.query(node, scope.ctes, scope)) | self.refs(node, scope)
+                out |= self.flat(self.query(node, scope.ctes, scope)) | _derive(self.refs(node, scope))
                 continue
             for v in node.args.values():
                 if isinstance(v, list):
@@ -500,22 +597,28 @@ class Lineage:
 
     def column(self, col, scope):
         if isinstance(col.this, exp.Star):
-            # t.* inside an expression (row_to_json(c.*)): every column of that source.
+            # t.* inside an expression (row_to_json(c.*)): a whole-row value of that source.
             src = self.find_source(col, scope)
-            return src.all() if src is not None else frozenset({("?", "t.* of an unknown source")})
-        name = col.name.lower()
+            return _whole(src.all()) if src is not None else frozenset({("?", "t.* of an unknown source")})
+        name = self.fold(self.norm(col.this) if isinstance(col.this, exp.Identifier) else col.name)
         qual = col.args.get("table")
         if qual is not None:
             src = self.find_source(col, scope)
             if src is not None:
-                lin, _ = src.col(name)
-                return lin if lin is not None else EMPTY
+                lin, found = src.col(name)
+                if found:
+                    return lin
+                if src.cols is None and (src.table is None or self.d != "postgres"):
+                    return lin if lin is not None else EMPTY
+                # Not one of its columns (or its columns are unknown): PostgreSQL reads x.f as the call f(x)
+                # (attribute notation: c.row_to_json, c.to_jsonb, c.text, a user's f), a whole-row value.
+                return _whole(src.all()) | (lin or EMPTY)
             # Not a FROM item: a struct/nested field or a name we cannot place; take every candidate.
-            qname = self.norm(qual).lower()
+            qname = self.fold(self.norm(qual))
             out = set(self.unqualified(qname, scope)) | set(self.unqualified(f"{qname}.{name}", scope))
             db = col.args.get("db")
             schema = self.norm(db).lower() if isinstance(db, exp.Identifier) else self.default_schema.lower()
-            out.add(("c", schema, qname, name))
+            out.add(("c", schema, qname.lower(), name.lower()))
             return frozenset(out)
         return self.unqualified(name, scope)
 
@@ -530,7 +633,7 @@ class Lineage:
                     out |= lin
                 definite = definite or found
                 if src.alias == name and not found:
-                    out |= src.all()          # PostgreSQL whole-row reference: SELECT c FROM customer c
+                    out |= _whole(src.all())  # PostgreSQL whole-row reference: SELECT c FROM customer c
             if name in s.aliases:
                 out |= s.aliases[name]
             if definite:
@@ -539,24 +642,25 @@ class Lineage:
         return frozenset(out)
 
 
-def _merge_using(left, right, using, dialect, natural):
+def _merge_using(left, right, using, dialect, natural, fold=_lower):
     """SELECT * over JOIN ... USING / NATURAL JOIN, per engine (checked against each engine):
     SQLite keeps the left columns in place and drops the right's copies; MySQL/MariaDB put the common
     columns first in the left table's order; PostgreSQL and ClickHouse put them first in USING order
     (PostgreSQL's NATURAL: left order)."""
     uset = set(using)
+    k = fold
     rlin = {}
     for n, lin in right:
-        if n.lower() in uset:
-            rlin[n.lower()] = rlin.get(n.lower(), EMPTY) | lin
+        if k(n) in uset:
+            rlin[k(n)] = rlin.get(k(n), EMPTY) | lin
     if dialect == "sqlite":
-        out = [(n, lin | rlin.get(n.lower(), EMPTY)) for n, lin in left]
-        return out + [(n, lin) for n, lin in right if n.lower() not in uset]
+        out = [(n, lin | rlin.get(k(n), EMPTY)) for n, lin in left]
+        return out + [(n, lin) for n, lin in right if k(n) not in uset]
     llin = {}
     for n, lin in left:
-        if n.lower() in uset and n.lower() not in llin:
-            llin[n.lower()] = (n, lin)
-    order = [n.lower() for n, _ in left if n.lower() in uset] if (dialect == "mysql" or natural) else list(using)
+        if k(n) in uset and k(n) not in llin:
+            llin[k(n)] = (n, lin)
+    order = [k(n) for n, _ in left if k(n) in uset] if (dialect == "mysql" or natural) else list(using)
     seen = set()
     first = []
     for u in order:
@@ -565,8 +669,8 @@ def _merge_using(left, right, using, dialect, natural):
         seen.add(u)
         name, lin = llin.get(u, (u, EMPTY))
         first.append((name, lin | rlin.get(u, EMPTY)))
-    rest_left = [(n, lin) for n, lin in left if n.lower() not in uset]
-    rest_right = [(n, lin) for n, lin in right if n.lower() not in uset]
+    rest_left = [(n, lin) for n, lin in left if k(n) not in uset]
+    rest_right = [(n, lin) for n, lin in right if k(n) not in uset]
     return first + rest_left + rest_right
 
 
@@ -581,6 +685,42 @@ def _with_merged_target(scope):
         view.merged = list(first.cols) if first.cols is not None else Unknown(first.all(), "target columns unknown")
         return view
     return scope
+
+
+# Expressions whose value is one of their sources' values, unchanged but for case or type: a per-column rule
+# applied to the result is exact for them (mask keeps the first character and what follows the last "@", so
+# anything that can move characters, e.g. reverse(), substr(), ||, replace(), is not). When in doubt: not.
+_WRAPPERS = tuple(c for c in (getattr(exp, n, None) for n in (
+    "Alias", "Paren", "Cast", "TryCast", "Lower", "Upper", "Max", "Min", "AnyValue", "FirstValue", "LastValue",
+    "NthValue", "Lag", "Lead", "Distinct")) if c is not None)
+_INERT = (exp.Literal, exp.Null, exp.Boolean, exp.DataType, exp.Identifier, exp.Var)
+
+
+def _exact(e) -> bool:
+    """Whether e's value is, row by row, one of its sources' values as they are (or a literal)."""
+    if isinstance(e, (exp.Column, exp.Literal, exp.Null, exp.Boolean, exp.Subquery)):
+        return True          # a scalar subquery passes its one value; that value's lineage says how it was made
+    if isinstance(e, exp.Dot) and isinstance(e.this, exp.Paren) and isinstance(e.this.this, exp.Column):
+        return True          # (x).f: a field of a row (a call f(x) is a whole-row value, "w", whatever this says)
+    if isinstance(e, exp.Window):
+        return _exact(e.this)    # PARTITION BY / ORDER BY choose the row, not the value
+    if isinstance(e, exp.Case):
+        return all(_exact(i.args.get("true")) for i in e.args.get("ifs") or []) and \
+            (e.args.get("default") is None or _exact(e.args["default"])) and e.this is None
+    if isinstance(e, exp.If):
+        return _exact(e.args.get("true")) and (e.args.get("false") is None or _exact(e.args["false"]))
+    if isinstance(e, (exp.Coalesce, getattr(exp, "Nullif", exp.Coalesce))):
+        return _exact(e.this) and all(_exact(x) for x in e.expressions or [])
+    if isinstance(e, _WRAPPERS) and isinstance(e.this, exp.Expression):
+        for key, v in e.args.items():
+            if key == "this" or v is None or isinstance(v, (bool, str)):
+                continue
+            for x in (v if isinstance(v, list) else [v]):
+                if isinstance(x, exp.Expression) and not isinstance(x, _INERT) and not \
+                        (isinstance(e, (exp.Lag, exp.Lead)) and _exact(x)):
+                    return False
+        return _exact(e.this)
+    return False
 
 
 def _walk_local(q):

@@ -612,14 +612,25 @@ def _masking(a, d, schema, tables, rules, columns_of, opaque=None, from_funcs=No
     for pos, (name, lin) in enumerate(outs):
         best = None
         actions = set()
+        moved = None     # a mask-ruled column inside an expression that can move its characters
         for item in lin:
             kind = item[0]
-            if kind == "c":
+            if kind in ("c", "e"):   # lineage.py: "e" is a value computed from the column, not the column
                 for r in applicable:
                     if r.matches_table(item[1], item[2]) and r.matches_column(item[3]):
+                        if kind == "e" and r.action == "mask":
+                            moved = moved or ".".join(item[1:])
                         actions.add(r.action)
                         if best is None or STRICTNESS[r.action] > STRICTNESS[best]:
                             best = r.action
+            elif kind == "w":        # a whole-row or composite value (row, JSON, array): no per-column rule fits
+                if any(r.matches_table(item[1], item[2]) and (len(item) < 4 or r.matches_column(item[3]))
+                       for r in applicable):
+                    raise GovernanceError(403, "mask_unresolvable",
+                                          f"output column {pos + 1} ({name}) is a whole row or a composite value "
+                                          f"(row, JSON, array) holding columns of {item[1]}.{item[2]}, and a masking "
+                                          "rule covers that table; select the columns one by one",
+                                          {"column": name, "position": pos})
             elif kind == "t":
                 if any(r.matches_table(item[1], item[2]) for r in applicable):
                     raise GovernanceError(403, "mask_unresolvable",
@@ -635,6 +646,11 @@ def _masking(a, d, schema, tables, rules, columns_of, opaque=None, from_funcs=No
             # mask keeps the text after the last "@": in a value built from a masked and a hashed source
             # (concat(email, phone)) that tail could carry the hashed one in clear, so hide the whole value.
             best = "null"
+        if best == "mask" and moved:
+            raise GovernanceError(403, "mask_unresolvable", f"output column {pos + 1} ({name}) is computed from "
+                                  f"{moved}, which is masked with mask: mask keeps parts of a value's text, which an "
+                                  "expression can move; select the column itself, or use hash, null or drop",
+                                  {"column": name, "position": pos})
         transforms.append(best)
     names = [n for n, _ in outs]
     if all(t is None for t in transforms):

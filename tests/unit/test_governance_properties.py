@@ -127,7 +127,9 @@ def read_query(draw, dialect):
     sql = f"SELECT a0.id FROM {ref(first)} a0"
     for i, t in enumerate(rest, 1):
         shape = draw(st.integers(0, 4))
-        if shape == 0:
+        if shape == 0 and "WHERE" in sql:   # a JOIN after WHERE is not SQL (PostgreSQL's parser says so)
+            sql = f"SELECT a0.id FROM ({sql}) a0 JOIN {ref(t)} a{i} ON a{i}.id = a0.id"
+        elif shape == 0:
             sql += f" JOIN {ref(t)} a{i} ON a{i}.id = a0.id"
         elif shape == 1:
             sql += f" WHERE a0.id IN (SELECT id FROM {ref(t)})" if "WHERE" not in sql else \
@@ -185,6 +187,13 @@ def test_masked_column_is_never_passed_through(dialect):
     @SETTINGS
     @given(sql=masked_select(), action=st.sampled_from(["hash", "mask", "null", "drop"]))
     def check(sql, action):
+        if action == "mask" and "concat(" in sql:
+            # mask keeps parts of the text, which concatenation moves: refused (issue 12, class 2)
+            with pytest.raises(GovernanceError) as ei:
+                plan(sql, dialect, mask_rules=[{"column": "customer.email", "action": action}],
+                     columns_of=lambda s, t: cols.get(t))
+            assert ei.value.code == "mask_unresolvable", (sql, ei.value)
+            return
         p = plan(sql, dialect, mask_rules=[{"column": "customer.email", "action": action}],
                  columns_of=lambda s, t: cols.get(t))
         assert p.transforms is not None and p.transforms[1] == action, (sql, p)
