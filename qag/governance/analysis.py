@@ -286,15 +286,27 @@ def _pg_function_checks(a: Analysis, reading) -> None:
         a.is_write = True
 
 
+def attribute_calls(sql: str, dialect: str, columns_of, default_schema) -> tuple[tuple[None, str], ...]:
+    """PostgreSQL attribute notation: (None, f) for each `x.f` / `(x).f` where x is a FROM item and f is not one
+    of its columns (columns_of(schema, table) -> list | None; unknown columns count as calls): the call f(x).
+    Empty for other dialects."""
+    if canonical_dialect(dialect) != "postgres":
+        return ()
+    full = called_functions(sql, dialect, columns_of=columns_of, default_schema=default_schema)
+    base = set(_called_cached(sql, "postgres"))
+    return tuple(c for c in full if c not in base)
+
+
 def called_functions(sql: str, dialect: str, columns_of=None, default_schema=None) -> tuple[tuple[str | None, str], ...]:
     """EVERY function the statement calls: (schema or None, name).
 
     PostgreSQL: as PostgreSQL's parser reads them (Unicode escapes decoded, unquoted names folded, quoted
-    ones kept exactly), including attribute notation: `x.f` / `(x).f` where x is a FROM item and f is not
-    one of its columns is the call f(x). Without columns_of every such `x.name` counts (the columns are
-    unknown); with columns_of(schema, table) -> list | None a table's known columns are told apart.
-    Other dialects: from sqlglot's tree, lowercased (their function names are case-insensitive); a
-    built-in sqlglot models comes back under sqlglot's name for it (IFNULL -> coalesce)."""
+    ones kept exactly); with columns_of(schema, table) -> list | None also attribute notation: `x.f` /
+    `(x).f` where x is a FROM item and f is not one of its columns (or its columns are unknown) is the call
+    f(x). Without columns_of those are left out (see attribute_calls).
+    Other dialects: the calls sqlglot keeps by name (exp.Anonymous), lowercased (their function names are
+    case-insensitive); the built-ins sqlglot models as nodes of their own are named by plan.statement_calls
+    the way the dialect writes them."""
     dialect = canonical_dialect(dialect)
     base = _called_cached(sql, dialect)
     if dialect != "postgres":
@@ -303,8 +315,9 @@ def called_functions(sql: str, dialect: str, columns_of=None, default_schema=Non
 
     reading = analyze(sql, dialect).reading
     schema = default_schema_for(dialect, default_schema)
-    attrs = pgparse.attribute_calls(
-        reading, columns_of, (lambda ref: next(iter(resolve([ref], dialect, schema)))) if columns_of else None)
+    if columns_of is None:
+        return base     # without the catalogue x.name cannot be told from a column: see attribute_calls
+    attrs = pgparse.attribute_calls(reading, columns_of, lambda ref: next(iter(resolve([ref], dialect, schema))))
     return tuple(dict.fromkeys(base + tuple((None, n) for n in attrs)))
 
 
@@ -314,10 +327,10 @@ def _called_cached(sql: str, dialect: str) -> tuple[tuple[str | None, str], ...]
         return analyze(sql, dialect).reading.functions
     tree = _parse_one(sql, dialect)
     out = []
-    for node in tree.find_all(exp.Func):
+    for node in tree.find_all(exp.Anonymous):
         qualifier = None
         parent = node.parent
-        if isinstance(node, exp.Anonymous) and isinstance(parent, exp.Dot) and parent.expression is node:
+        if isinstance(parent, exp.Dot) and parent.expression is node:
             q = parent.this
             qualifier = (q.this if isinstance(q, exp.Identifier) else q.sql(dialect)).lower() \
                 if isinstance(q, exp.Expression) else str(q).lower()

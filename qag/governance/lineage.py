@@ -696,9 +696,17 @@ _WRAPPERS = tuple(c for c in (getattr(exp, n, None) for n in (
 _INERT = (exp.Literal, exp.Null, exp.Boolean, exp.DataType, exp.Identifier, exp.Var)
 
 
+# Values that carry none of their sources' characters: a count, a length, a one-way digest, a truth value.
+# Any rule on them hides no less than on the column itself.
+_NO_TEXT = tuple(c for c in (getattr(exp, n, None) for n in (
+    "Count", "ApproxDistinct", "Length", "BitLength", "MD5", "MD5Digest", "SHA", "SHA2", "SHA1Digest",
+    "Predicate", "Connector", "Not", "Exists")) if c is not None)
+
+
 def _exact(e) -> bool:
-    """Whether e's value is, row by row, one of its sources' values as they are (or a literal)."""
-    if isinstance(e, (exp.Column, exp.Literal, exp.Null, exp.Boolean, exp.Subquery)):
+    """Whether a per-column rule applied to e's value is exact: e is, row by row, one of its sources' values
+    as they are (or a literal), or a value that carries none of their characters."""
+    if isinstance(e, (exp.Column, exp.Literal, exp.Null, exp.Boolean, exp.Subquery) + _NO_TEXT):
         return True          # a scalar subquery passes its one value; that value's lineage says how it was made
     if isinstance(e, exp.Dot) and isinstance(e.this, exp.Paren) and isinstance(e.this.this, exp.Column):
         return True          # (x).f: a field of a row (a call f(x) is a whole-row value, "w", whatever this says)

@@ -40,6 +40,8 @@ class Reading:
         self.indirections = indirections  # tuple[(ref fields, name)]: (x).name field selections
         self.scopes = scopes              # tuple[(ref fields, tuple[FROM items])]: qualified refs and what is visible
         self.syntax = syntax              # names of call-like syntax PostgreSQL does not read as a FuncCall (ROW, ...)
+        # (FuncCalls PostgreSQL's grammar makes of SQL-standard syntax, x AT TIME ZONE z -> timezone(z, x), are
+        # in functions and in syntax: sqlglot reads them as nodes of their own.)
 
 
 def _refuse(why: str) -> GovernanceError:
@@ -71,6 +73,7 @@ def read(sql: str) -> Reading:
     text = respell(sql, tokens)
     c = _Collector()
     try:
+        c.ctes = _cte_queries(stmts[0].stmt)
         c.walk(stmts[0].stmt, ())
     except RecursionError:
         raise GovernanceError(400, "invalid_sql", "the statement is nested too deeply to analyse") from None
@@ -252,6 +255,7 @@ class _Collector:
         self.indirections: list = []
         self.scopes: list = []
         self.syntax: set = set()
+        self.ctes: dict = {}
 
     def walk(self, node, visible) -> None:
         if isinstance(node, tuple):
@@ -261,7 +265,7 @@ class _Collector:
         if not isinstance(node, pg_ast.Node):
             return
         if isinstance(node, pg_ast.SelectStmt):
-            items = tuple(_from_items(node.fromClause)) + visible
+            items = tuple(_from_items(node.fromClause, self.ctes)) + visible
             for name in node.__slots__:
                 if name == "fromClause":
                     continue
@@ -274,9 +278,9 @@ class _Collector:
                                            or ())
             if isinstance(node, pg_ast.MergeStmt):
                 extra = [node.relation, node.sourceRelation]
-            visible = tuple(_from_items(tuple(x for x in extra if x is not None))) + visible
+            visible = tuple(_from_items(tuple(x for x in extra if x is not None), self.ctes)) + visible
         elif isinstance(node, pg_ast.InsertStmt):
-            visible = tuple(_from_items((node.relation,))) + visible
+            visible = tuple(_from_items((node.relation,), self.ctes)) + visible
         syntax = _SYNTAX_NAMES.get(type(node).__name__)
         if syntax:
             self.syntax.update(syntax)
@@ -285,6 +289,8 @@ class _Collector:
         elif isinstance(node, pg_ast.FuncCall):
             parts = _strs(node.funcname)
             self.functions.append((parts[-2] if len(parts) > 1 else None, parts[-1]))
+            if int(node.funcformat or 0) == _COERCE_SQL_SYNTAX:
+                self.syntax.add(parts[-1])
         elif isinstance(node, pg_ast.ColumnRef):
             fields = _strs(node.fields)
             self.columns.append(fields)
@@ -300,12 +306,14 @@ class _Collector:
             self.walk(getattr(node, name), visible)
 
 
+_COERCE_SQL_SYNTAX = 3   # CoercionForm.COERCE_SQL_SYNTAX: a FuncCall the grammar made of SQL-standard syntax
+
 # Call-like syntax PostgreSQL's grammar turns into nodes of their own rather than FuncCall (sqlglot may
 # keep them as a call by name).
 _SYNTAX_NAMES = {
     "RowExpr": ("row",), "CoalesceExpr": ("coalesce",), "MinMaxExpr": ("greatest", "least"),
     "A_Expr": ("nullif",), "XmlExpr": ("xmlelement", "xmlforest", "xmlconcat", "xmlparse", "xmlpi", "xmlroot",
-                                       "xmlserialize", "xmlexists"), "XmlSerialize": ("xmlserialize",),
+                                       "xmlserialize", "xmlexists", "xmlattributes"), "XmlSerialize": ("xmlserialize",),
     "SQLValueFunction": ("current_date", "current_time", "current_timestamp", "localtime", "localtimestamp",
                          "current_role", "current_user", "user", "session_user", "current_catalog",
                          "current_schema"),
@@ -314,17 +322,45 @@ _SYNTAX_NAMES = {
 }
 
 
-def _from_items(from_clause):
+def _cte_queries(stmt) -> dict:
+    """Every CTE of the statement by name (the first one of a name): a FROM item naming one reads it."""
+    out: dict = {}
+
+    def walk(node):
+        if isinstance(node, tuple):
+            for v in node:
+                walk(v)
+            return
+        if not isinstance(node, pg_ast.Node):
+            return
+        if isinstance(node, pg_ast.CommonTableExpr):
+            out.setdefault(node.ctename, node.ctequery)
+        for name in node.__slots__:
+            walk(getattr(node, name))
+
+    walk(stmt)
+    return out
+
+
+def _from_items(from_clause, ctes=None):
     """(alias, kind, payload) for every FROM item, joins flattened: kind 'rel' (payload (schema, name)),
-    'sub' (the subquery), 'func' or 'other'."""
+    'sub' (the subquery, or the CTE it names), 'func' or 'other'."""
+    ctes = ctes or {}
     for item in from_clause or ():
         if isinstance(item, pg_ast.JoinExpr):
-            yield from _from_items((item.larg, item.rarg))
+            yield from _from_items((item.larg, item.rarg), ctes)
             if item.alias is not None:
                 yield (item.alias.aliasname, "other", None)
             continue
         alias = item.alias.aliasname if getattr(item, "alias", None) is not None else None
-        if isinstance(item, pg_ast.RangeVar):
+        renamed = _strs(item.alias.colnames) if getattr(item, "alias", None) is not None and item.alias.colnames \
+            else ()
+        if renamed:
+            # t(a, b): the first columns take these names; which names the rest have is not looked up here
+            yield (alias, "renamed", renamed)
+        elif isinstance(item, pg_ast.RangeVar) and item.schemaname is None and item.relname in ctes:
+            yield (alias or item.relname, "sub", ctes[item.relname])
+        elif isinstance(item, pg_ast.RangeVar):
             yield (alias or item.relname, "rel", (item.schemaname, item.relname))
             if alias is None and item.schemaname:
                 yield (f"{item.schemaname}.{item.relname}", "rel", (item.schemaname, item.relname))
@@ -338,8 +374,8 @@ def _from_items(from_clause):
 
 def attribute_calls(reading: Reading, columns_of=None, resolve=None) -> tuple[str, ...]:
     """Names used as `x.name` or `(x).name` where x is a FROM item and name is not one of its columns: in
-    PostgreSQL that is the function call name(x) (attribute notation), a whole-row value. With no catalog
-    (columns_of None), or a FROM item whose columns are unknown, every such name counts."""
+    PostgreSQL that is the function call name(x) (attribute notation), a whole-row value. A FROM item whose
+    columns are unknown (no catalogue, a function) gives none."""
     out = []
     for fields, visible in reading.scopes:
         qual, name = fields[:-1], fields[-1]
@@ -366,21 +402,26 @@ def _lookup(qual, visible):
 
 
 def _has_column(item, name, columns_of, resolve) -> bool:
+    """False only when the item's columns are known and name is not one of them. (Where they are not known,
+    lineage treats x.name of a masked table as a whole-row value; the server refuses a name that is neither.)"""
     kind, payload = item
+    if kind == "renamed":
+        return True       # some columns renamed, others not: cannot be told apart here (lineage still can)
     if kind == "rel" and columns_of is not None and resolve is not None:
         cols = columns_of(*resolve(payload))
-        return cols is not None and name in cols
+        return cols is None or name in cols
     if kind == "sub":
-        names = _output_names(payload)
-        return names is not None and name in names
-    return False
+        names = _output_names(payload, columns_of, resolve)
+        return names is None or name in names
+    return True
 
 
-def _output_names(q):
-    if not isinstance(q, pg_ast.SelectStmt):
+def _output_names(q, columns_of=None, resolve=None, depth=0):
+    """The column names a subquery gives its FROM item (None when they cannot be known)."""
+    if not isinstance(q, pg_ast.SelectStmt) or depth > 16:
         return None
     if q.larg is not None:
-        return _output_names(q.larg)
+        return _output_names(q.larg, columns_of, resolve, depth + 1)
     names = []
     for t in q.targetList or ():
         if t.name:
@@ -388,13 +429,59 @@ def _output_names(q):
         elif isinstance(t.val, pg_ast.ColumnRef):
             f = _strs(t.val.fields)
             if f[-1] == "*":
-                return None
+                items = list(_from_items(q.fromClause))
+                if len(f) > 1:
+                    items = [it for it in items if it[0] == f[-2]]
+                for _alias, kind, payload in items:
+                    if kind == "rel" and columns_of is not None and resolve is not None:
+                        cols = columns_of(*resolve(payload))
+                    elif kind == "sub":
+                        cols = _output_names(payload, columns_of, resolve, depth + 1)
+                    else:
+                        cols = None
+                    if cols is None:
+                        return None
+                    names.extend(cols)
+                continue
             names.append(f[-1])
-        elif isinstance(t.val, pg_ast.FuncCall):
-            names.append(_strs(t.val.funcname)[-1])
         else:
-            names.append(None)
+            names.append(_figure(t.val) or "?column?")
     return names
+
+
+def _figure(node):
+    """The name PostgreSQL gives an unnamed output column (FigureColnameInternal), None for ?column?."""
+    if isinstance(node, pg_ast.ColumnRef):
+        f = _strs(node.fields)
+        return f[-1] if f[-1] != "*" else None
+    if isinstance(node, pg_ast.A_Indirection):
+        last = node.indirection[-1] if node.indirection else None
+        return last.sval if isinstance(last, pg_ast.String) else _figure(node.arg)
+    if isinstance(node, pg_ast.FuncCall):
+        return _strs(node.funcname)[-1]
+    if isinstance(node, pg_ast.TypeCast):
+        inner = _figure(node.arg)
+        if inner:
+            return inner
+        names = _strs(node.typeName.names) if node.typeName is not None else ()
+        return names[-1] if names else None
+    if isinstance(node, pg_ast.CaseExpr):
+        return _figure(node.defresult) or "case" if node.defresult is not None else "case"
+    fixed = {"A_ArrayExpr": "array", "RowExpr": "row", "CoalesceExpr": "coalesce", "XmlSerialize": "xmlserialize"}
+    if type(node).__name__ in fixed:
+        return fixed[type(node).__name__]
+    if isinstance(node, pg_ast.MinMaxExpr):
+        return "greatest" if int(node.op) == 0 else "least"
+    if isinstance(node, pg_ast.SubLink):
+        kind = int(node.subLinkType)
+        if kind == 0:
+            return "exists"
+        if kind == 6:        # ARRAY_SUBLINK
+            return "array"
+        if kind == 4 and isinstance(node.subselect, pg_ast.SelectStmt) and node.subselect.targetList:
+            t = node.subselect.targetList[0]
+            return t.name or _figure(t.val)
+    return None
 
 
 # ---- agreement between the two parsers --------------------------------------------------------------------
@@ -455,7 +542,7 @@ def cross_check(reading: Reading, tree, normalize) -> None:
     parser_names = _parser_function_names(Postgres)
     pg_names = {n for _, n in reading.functions}
     missing = sorted(n for n in pg_names if n not in sg_all and n.lower() not in sg_all
-                     and n.upper().lower() not in parser_names)
+                     and n.upper().lower() not in parser_names and n not in reading.syntax)
     if missing:
         raise _refuse(f"the lineage parser does not see the call{'s' if len(missing) > 1 else ''} to "
                       f"{', '.join(missing)}")
