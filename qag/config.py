@@ -73,9 +73,17 @@ def _url(text: str) -> str:
 
 
 def _runstore_url(text: str) -> str:
-    if text and not text.split("://", 1)[0] in ("clickhouse", "clickhouses", "chdb", "http", "https"):
-        raise ValueError("expected clickhouse://, https://, http:// or chdb:// URL")
+    if text and not text.split("://", 1)[0] in ("clickhouse", "clickhouses", "chdb", "http", "https", "postgresql",
+                                                 "postgres"):
+        raise ValueError("expected clickhouse://, https://, http://, chdb:// or postgresql:// URL")
     return text
+
+
+def _fsync(text: str) -> str:
+    v = text.strip().lower()
+    if v not in ("batch", "off"):
+        raise ValueError("must be batch or off")
+    return v
 
 
 def _http_worker(text: str) -> str:
@@ -120,8 +128,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_param_bytes", "QAG_MAX_PARAM_BYTES", _pos_int, "65536", "Largest single parameter value accepted.", "bytes"),
     Setting("metrics_token", "QAG_METRICS_TOKEN", _str, "", "Bearer token required by /metrics (empty: public).", "str"),
     Setting("shm_size", "QAG_SHM_SIZE", _pos_int, "67108864", "Size in bytes of the shared-memory segment.", "bytes"),
-    Setting("record_wait_ms", "QAG_RECORD_WAIT_MS", _nonneg_int, "50", "How long a worker waits on a full run ring before counting the run lost.", "ms"),
-    Setting("run_store_url", "QAG_RUN_STORE_URL", _runstore_url, "", "ClickHouse URL for runs; empty: the metadata store's own tables.", "url"),
+    Setting("record_wait_ms", "QAG_RECORD_WAIT_MS", _nonneg_int, "0", "How long a call may wait on a full run ring (outside the ring lock) before its run is counted lost; 0: never waits.", "ms"),
+    Setting("run_store_url", "QAG_RUN_STORE_URL", _runstore_url, "", "ClickHouse (or PostgreSQL) URL for runs; empty: the metadata store's own tables.", "url"),
+    Setting("journal_dir", "QAG_JOURNAL_DIR", _str, "", "Directory of the recorder's run journal; empty: QAG_HOME/journal/<segment>; off: no journal.", "path"),
+    Setting("journal_max_bytes", "QAG_JOURNAL_MAX_BYTES", _pos_int, "1073741824", "Most bytes of runs the journal holds while the run store is away; past it the rings fill and runs are lost.", "bytes"),
+    Setting("journal_fsync", "QAG_JOURNAL_FSYNC", _fsync, "batch", "batch: fdatasync each journal frame before its ring is released; off: leave it to the OS (survives a process crash, not a power loss).", "batch|off"),
+    Setting("journal_spill_after_ms", "QAG_JOURNAL_SPILL_AFTER_MS", _pos_int, "1000", "How long a run store write may fail or hang before the recorder spills runs to the journal.", "ms"),
     Setting("events_retention_hours", "QAG_EVENTS_RETENTION_HOURS", _pos_int, "24", "Hours the event table keeps every run.", "hours"),
     Setting("history_retention_days", "QAG_HISTORY_RETENTION_DAYS", _pos_int, "30", "Days history keeps runs.", "days"),
     Setting("history_sample_rate", "QAG_HISTORY_SAMPLE_RATE", _rate, "1", "Share of successful runs kept in history (failures always kept).", "0..1"),

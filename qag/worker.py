@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 from qag import runrecord
 from qag.app import QagApp
@@ -15,31 +16,70 @@ log = logging.getLogger("qag.worker")
 
 
 class RingRecorder:
-    """Puts one run record into this worker's ring; a ring still full after QAG_RECORD_WAIT_MS counts the
-    run as lost (qag_runs_lost_total) instead of blocking the call for ever."""
+    """Puts one run record into this worker's ring. A full ring never stalls the call: the run is
+    counted lost (qag_runs_lost_total) at once, or after waiting QAG_RECORD_WAIT_MS outside the ring
+    lock when that is set, and each episode of losses is logged once, with its reason. The recorder
+    keeps the rings drained while it lives, into its journal when the run store is away, so a full
+    ring means the recorder is stopped or stalled, or the journal is at QAG_JOURNAL_MAX_BYTES."""
 
-    __slots__ = ("ring", "wait_ms", "served_by", "observer", "lock")
+    __slots__ = ("lock", "losing", "observer", "ring", "segment", "served_by", "wait_ms")
 
     def __init__(self, segment, slot: int, wait_ms: int, observer: Observer):
+        self.segment = segment
         self.ring = segment.ring(slot)
         self.wait_ms = wait_ms
         self.served_by = f"worker:{slot}"
         self.observer = observer
+        self.losing = 0  # runs lost in the current episode (0: none)
         # A ring has one producer: this worker's threads take turns (shm/LAYOUT.md, Rings).
         self.lock = threading.Lock()
 
-    def __call__(self, run: dict) -> None:
+    def __call__(self, run: dict) -> bool:
         payload = runrecord.pack(run["at_us"], run["key_name"], run["query"], run["version"], run["connection"],
                                  run["status"], run["code"], run["rows"], run["duration_us"], run["bytes"],
                                  run["request_id"], self.served_by, run["transport"], run["route"])
         with self.lock:
-            return self.ring.push(payload, self.wait_ms)
+            ok = self.ring.push(payload, 0)
+        if not ok and self.wait_ms:
+            deadline = time.monotonic() + self.wait_ms / 1000.0
+            while not ok and time.monotonic() < deadline:
+                time.sleep(0.001)  # the lock is free meanwhile: other calls record or fail at once
+                with self.lock:
+                    ok = self.ring.push(payload, 0)
+        if ok:
+            if self.losing:
+                log.warning("run ring %s takes runs again after %d were lost", self.served_by, self.losing)
+                self.losing = 0
+            return True
+        self.losing += 1
+        if self.losing == 1:
+            log.error("run ring %s is full, runs are being lost (qag_runs_lost_total): %s", self.served_by,
+                      loss_reason(self.segment))
+        return False
+
+
+def loss_reason(segment) -> str:
+    """Why a ring is full, from what the recorder publishes (read once per episode of losses)."""
+    try:
+        st = segment.stat()
+        now = time.time_ns()
+        rec = [ps for ps in st["process_slots"] if ps.get("role") == "recorder"]
+        if not rec or not rec[0].get("alive"):
+            return "no recorder is running"
+        age = (now - rec[0]["heartbeat_ns"]) / 1e9
+        if age > 5:
+            return f"the recorder has not drained for {age:.0f} s"
+        full = sum(segment.gauge_cells("qag_journal_full"))
+        if full:
+            return "the recorder's run journal is full (QAG_JOURNAL_MAX_BYTES) while the run store is away"
+        return "the recorder is behind"
+    except Exception as e:  # noqa: BLE001 - the reason is for the log line only
+        return f"reason unknown ({e})"
 
 
 def segment_gauges(segment, runtime):
     """Gauges read at scrape time: ring occupancy and the recorder's lag for the whole instance; this
     worker's pools (each worker reports its own, labelled by slot)."""
-    import time
     now = time.time_ns()
     st = segment.stat()
     for ps in st["process_slots"]:

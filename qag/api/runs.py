@@ -30,11 +30,35 @@ def _int(req, name, default, lo, hi):
     return v
 
 
-def _store_call(fn):
+def _store_call(app, fn):
+    """One read of the run store: a bad filter is 400; a store that cannot be reached or read is 503
+    store_unavailable (the runs are not lost: the recorder keeps them in its journal meanwhile)."""
     try:
-        return fn()
+        return fn(app.run_store())
+    except ApiError:
+        raise
     except ValueError as exc:
         raise ApiError(400, "invalid_filter", f"{exc}.") from None
+    except Exception as exc:
+        if not store_unavailable(exc):
+            raise
+        import logging
+        logging.getLogger("qag.runs").warning("run store unavailable for a read: %s: %s", type(exc).__name__, exc)
+        raise ApiError(503, "store_unavailable", "The run store cannot be read right now, so history and usage "
+                       "cannot be shown; no run is lost (the recorder keeps them until the store is back). "
+                       "Retry shortly.", headers={"Retry-After": "5"}) from None
+
+
+def store_unavailable(exc: BaseException) -> bool:
+    """A run store failure (connection refused or lost, a database error, a locked file), as opposed
+    to a bug in qag: these are the driver families the run stores use."""
+    if isinstance(exc, (OSError, TimeoutError)):
+        return True
+    for klass in type(exc).__mro__:
+        mod = klass.__module__ or ""
+        if mod.split(".")[0] in ("psycopg2", "sqlite3", "clickhouse_connect", "urllib3", "requests", "http"):
+            return True
+    return False
 
 
 class History:
@@ -47,8 +71,7 @@ class History:
         if unknown:
             raise ApiError(400, "unknown_field", f"Unknown filter(s) {', '.join(sorted(unknown))}.")
         limit = _int(req, "limit", 100, 1, 1000)
-        store = self.app.run_store()
-        items, nxt = _store_call(lambda: store.history(
+        items, nxt = _store_call(self.app, lambda store: store.history(
             query=req.get_param("query"), key=req.get_param("key"), status=req.get_param("status"),
             since=req.get_param("since"), until=req.get_param("until"), limit=limit, cursor=req.get_param("cursor")))
         ok(resp, {"items": items, "next_cursor": nxt})
@@ -63,8 +86,7 @@ class Usage:
         unknown = set(req.params) - {"per", "since", "until", "key", "query"}
         if unknown:
             raise ApiError(400, "unknown_field", f"Unknown filter(s) {', '.join(sorted(unknown))}.")
-        store = self.app.run_store()
-        items = _store_call(lambda: store.usage(per=req.get_param("per") or "hour", since=req.get_param("since"),
+        items = _store_call(self.app, lambda store: store.usage(per=req.get_param("per") or "hour", since=req.get_param("since"),
                                                 until=req.get_param("until"), key=req.get_param("key"),
                                                 query=req.get_param("query")))
         ok(resp, {"items": items, "next_cursor": None})

@@ -34,15 +34,22 @@ class RecorderState:
         "bad_records",
         "batches",
         "corrupt_skips",
+        "drained",
         "errors",
         "heartbeat_ns",
+        "journal_bytes",
+        "journal_full",
+        "journal_runs",
         "lag_bytes",
         "last_error",
         "last_event_id",
         "positions",
         "records",
         "source_id",
+        "spilled",
         "started_ns",
+        "store_down_since",
+        "store_up",
     )
 
     def __init__(self, source_id: str):
@@ -57,6 +64,13 @@ class RecorderState:
         self.last_error = ""
         self.positions: dict[int, int] = {}   # ring slot -> durable position (== ring tail)
         self.lag_bytes: dict[int, int] = {}   # ring slot -> head - durable position
+        self.store_up = True      # the last write (or drain) reached the store
+        self.store_down_since = 0.0
+        self.spilled = 0          # runs put in the journal since this process started
+        self.drained = 0          # runs written from the journal into the store
+        self.journal_bytes = 0    # journal bytes not yet in the store
+        self.journal_runs = 0     # journal runs not yet in the store
+        self.journal_full = False  # the journal is at QAG_JOURNAL_MAX_BYTES: the rings fill
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -82,22 +96,134 @@ def resume_positions(rings, durable: dict[int, int]) -> dict[int, int]:
     return cursor
 
 
+class StoreDown(RuntimeError):
+    """The run store refused or did not answer a write for longer than the recorder waits before it
+    spills to its journal (the batch's outcome is then unknown: it may have committed)."""
+
+
+class _Drainer:
+    """Writes the journal into the store, oldest frame first, on the recorder's writer thread.
+
+    Exactly once: every drained batch is committed under the journal's own source (slot 0, position =
+    the journal position after its last frame), in the same transaction or insert as its runs, so the
+    store says how far the journal is in it. Runs of a frame that may already be in the store under
+    their ring's source (the batch that was in flight when the store went away, or runs re-read from a
+    ring after a restart without the store) are dropped by their ring position against that source's
+    durable positions."""
+
+    def __init__(self, store, journal):
+        self.store = store
+        self.journal = journal
+        self.pos = journal.drained
+        self.synced = False
+        self.inflight = None      # (prepared batch, journal position after it, runs) whose commit failed
+        self.src_pos: dict = {}
+
+    def step(self, max_runs: int) -> tuple[int, int]:
+        """Commit the next frames (whole ones, up to max_runs runs). Returns (journal position, runs)."""
+        try:
+            return self._step(max_runs)
+        except BaseException:
+            self.synced = False
+            raise
+
+    def _step(self, max_runs):
+        store, journal = self.store, self.journal
+        if self.inflight is not None:  # retry the very same batch (ClickHouse: the same token)
+            batch, end, n = self.inflight
+            if store.positions(journal.source).get(0, -1) >= end:
+                self.inflight = None      # it did commit
+                self.pos = end
+                return end, n
+            store.commit(batch)
+            self.inflight = None
+            self.pos = end
+            return end, n
+        if not self.synced:
+            durable = store.positions(journal.source).get(0)
+            if durable is not None:
+                if durable > journal.end:
+                    journal.restart_at(durable)
+                    if durable > journal.end:
+                        log.error("the store holds journal %s up to %d, past its end %d; draining all of it",
+                                  journal.source, durable, journal.end)
+                        durable = journal.drained
+                self.pos = max(self.pos, durable)
+            self.pos = max(self.pos, journal.drained)
+            self.src_pos = {}
+            self.synced = True
+        frames = journal.read(self.pos, max_runs)
+        if not frames:
+            return self.pos, 0
+        chunks = []
+        n = 0
+        for end, source, fchunks in frames:
+            durable = self.src_pos.get(source)
+            if durable is None:
+                durable = self.src_pos[source] = store.positions(source)
+            recs = []
+            for slot, rr in fchunks:
+                if not rr:
+                    continue
+                d = durable.get(slot, -1)
+                if rr[-1][0] <= d:
+                    continue  # already in the store under the ring's source
+                if rr[0][0] > d:
+                    recs.extend(payload for _p, payload in rr)
+                else:
+                    recs.extend(payload for p, payload in rr if p > d)
+            if recs:
+                chunks.append((0, [(end, payload) for payload in recs]))
+                n += len(recs)
+        end = frames[-1][0]
+        if not chunks:
+            self.pos = end
+            return end, 0
+        batch = store.prepare(journal.source, chunks)
+        self.inflight = (batch, end, n)
+        store.commit(batch)
+        self.inflight = None
+        self.pos = end
+        return end, n
+
+
 def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 5000, batch_ms: int = 50,
                  publish=None, source_id: str | None = None, prune_every_s: float = 10.0,
-                 prune_rows: int = 5000, idle_sleep_ms: float = 5.0, stop_grace_s: float = 5.0) -> RecorderState:
+                 prune_rows: int = 5000, idle_sleep_ms: float = 5.0, stop_grace_s: float = 5.0,
+                 journal=None, spill_after_s: float = 1.0) -> RecorderState:
     """Drain `source`'s rings into `store` until `stop_event` is set, then flush and return.
 
     `publish(state)` is called after each committed batch and about once a second when idle. The
     batch being written and the next one being read and formatted overlap (one writer thread), but
     batches commit strictly in order, so event ids are committed in order.
+
+    With a `journal` (qag.recorder.journal.Journal), a store that fails or hangs a write for
+    `spill_after_s` does not stop the draining: batches go to the journal (the rings are released once
+    the journal holds them), and the journal drains into the store, in order and before any newer run,
+    when it is back. Without one, a failed write is retried until it succeeds (the rings hold the runs).
     """
     sid = source_id or source_identity(source)
     rings = [source.ring(i) for i in range(source.ring_count())]
     state = RecorderState(sid)
-    cursor = resume_positions(rings, store.positions(sid))
+    try:
+        durable = store.positions(sid)
+    except Exception as e:
+        if journal is None:
+            raise
+        durable = {}
+        state.store_up = False
+        state.store_down_since = time.monotonic()
+        state.last_error = f"{type(e).__name__}: {e}"[:500]
+        log.warning("run store unavailable at start (%s); spilling runs to the journal %s", state.last_error,
+                    journal.dir)
+    if journal is not None:
+        for slot, p in journal.ring_positions(sid).items():
+            if p > durable.get(slot, -1):
+                durable[slot] = p
+    cursor = resume_positions(rings, durable)
     state.positions = dict(cursor)
     writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qag-recorder-writer")
-    pending = None            # (future, {slot: pos}, n records) of the batch being committed
+    pending = None            # (future, {slot: pos}, n records, chunks, submitted at) of the batch being committed
     batch: list = []          # [(slot, [(pos_after, payload), ...])], one chunk per ring read
     nbatch = 0
     batch_t0 = 0.0
@@ -107,25 +233,43 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
     prune_fut = None
     last_publish = 0.0
     nrings = len(rings)
+    # The journal side: spilling while the store cannot be written or the journal still holds runs.
+    spilling = journal is not None and (not state.store_up or journal.pending_bytes > 0)
+    drainer = _Drainer(store, journal) if journal is not None else None
+    drain_fut = None
+    next_drain = 0.0
+    drain_delay = 0.05
+    held: list = []           # [(chunks, positions, n)] batches a full journal could not take yet, in order
+    jpositions = journal.ring_positions(sid) if journal is not None else {}
+    if journal is not None:
+        state.journal_bytes, state.journal_runs = journal.pending_bytes, journal.pending_runs
+        if spilling and state.store_up:
+            log.info("the journal holds %d runs (%d bytes): draining them before newer runs",
+                     state.journal_runs, state.journal_bytes)
 
     def commit(prepared):
-        """Writer thread: commit, retrying until it succeeds; a write whose outcome we could not
-        see (connection lost at COMMIT) is checked against the durable positions first."""
+        """Writer thread: commit, retrying until it succeeds (with a journal: for spill_after_s, then
+        StoreDown); a write whose outcome we could not see (connection lost at COMMIT) is checked
+        against the durable positions first."""
         delay = 0.05
         stop_seen = None
+        t0 = time.monotonic()
         while True:
             try:
                 return store.commit(prepared)
             except Exception as e:  # any store failure is retried, never dropped
+                state.errors += 1
+                state.last_error = f"{type(e).__name__}: {e}"[:500]
+                if journal is not None and time.monotonic() - t0 >= spill_after_s:
+                    raise StoreDown(state.last_error) from e
                 if stop_event.is_set():
                     stop_seen = stop_seen or time.monotonic()
                     if time.monotonic() - stop_seen > stop_grace_s:
                         raise  # stopping: the runs stay in the rings (tails not released)
-                state.errors += 1
-                state.last_error = f"{type(e).__name__}: {e}"[:500]
-                log.warning("run store write failed (retrying in %.2fs): %s", delay, state.last_error)
+                if journal is None:
+                    log.warning("run store write failed (retrying in %.2fs): %s", delay, state.last_error)
                 time.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                delay = min(delay * 2, 2.0 if journal is None else 0.25)
                 try:
                     durable = store.positions(sid)
                     if prepared.positions and all(durable.get(s, -1) >= p for s, p in prepared.positions.items()):
@@ -135,11 +279,77 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
 
     abandoned = []
 
+    def store_down(reason: str):
+        if state.store_up:
+            state.store_up = False
+            state.store_down_since = time.monotonic()
+            log.warning("run store unavailable (%s): spilling runs to the journal %s", reason, journal.dir)
+        state.last_error = reason[:500]
+
+    def store_back():
+        if not state.store_up:
+            state.store_up = True
+            log.info("run store back after %.1f s; draining %d runs (%d bytes) from the journal",
+                     time.monotonic() - state.store_down_since, journal.pending_runs, journal.pending_bytes)
+
+    def spill(chunks, positions, n) -> bool:
+        """Main thread: put a batch in the journal, then release the rings up to it. False when the
+        journal is full: the batch is held (in order, behind any held before it) and the caller reads
+        no more from the rings, which keep the rest."""
+        held.append((chunks, positions, n))
+        return pump()
+
+    def pump() -> bool:
+        while held:
+            chunks, positions, n = held[0]
+            new = dict(jpositions)
+            for slot, pos in positions.items():
+                if pos > new.get(slot, -1):
+                    new[slot] = pos
+            try:
+                journal.append(sid, new, chunks)
+            except Exception as e:  # JournalFull, or the disk refusing (ENOSPC, EIO): hold, retry later
+                if not state.journal_full:
+                    state.journal_full = True
+                    log.error("run journal cannot take more runs (%s); the rings fill now, and runs are lost "
+                              "(qag_runs_lost_total) once they are full", e)
+                return False
+            held.pop(0)
+            if state.journal_full:
+                state.journal_full = False
+                log.info("run journal takes runs again")
+            jpositions.update(new)
+            for slot, pos in positions.items():
+                if pos > rings[slot].tail:
+                    rings[slot].release(pos)
+                state.positions[slot] = max(state.positions.get(slot, 0), pos)
+            state.spilled += n
+            state.journal_bytes = journal.pending_bytes
+            state.journal_runs += n
+        return True
+
+    def detach(p, reason: str):
+        """Spill the batch in flight: whether or not its commit lands, the drainer sorts it out (it
+        runs after that commit on the one writer thread, and drops runs the store already has)."""
+        nonlocal spilling
+        fut, positions, n, chunks, _t = p
+        store_down(reason)
+        spilling = True
+        fut.add_done_callback(_quiet)
+        spill(chunks, positions, n)
+
     def finish(p):
-        fut, positions, n = p
+        nonlocal spilling
+        fut, positions, n, _chunks, _t = p
         try:
             _first, last, _written = fut.result()
+        except StoreDown as e:
+            detach(p, str(e))
+            return
         except Exception:
+            if journal is not None:
+                detach(p, state.last_error or "write failed")
+                return
             if not stop_event.is_set():
                 raise
             # Gave up while stopping: the rings keep these runs for the next recorder, and no later
@@ -156,15 +366,45 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
         state.batches += 1
         state.bad_records = getattr(store, "bad_records", 0)
 
+    def flush(chunks, n):
+        """A batch is due: into the store (overlapping the previous commit), or into the journal."""
+        nonlocal pending
+        if spilling:
+            positions = {}
+            for slot, recs in chunks:
+                if recs:
+                    positions[slot] = recs[-1][0]
+            if pending is not None:  # never release past a batch still in flight: spill it first
+                detach(pending, "spilling")
+                pending = None
+            spill(chunks, positions, n)
+            return True
+        prepared = store.prepare(sid, chunks)
+        if pending is not None:
+            finish(pending)
+            pending = None
+            if abandoned:
+                return False
+            do_publish()
+        if spilling:  # finish() found the store gone: this batch follows it into the journal
+            spill(chunks, dict(prepared.positions), n)
+            return True
+        pending = (writer.submit(commit, prepared), prepared.positions, n, chunks, time.monotonic())
+        return True
+
     def do_publish():
+        nonlocal last_publish
         state.heartbeat_ns = time.time_ns()
         for slot, r in enumerate(rings):
             state.lag_bytes[slot] = r.head - state.positions.get(slot, 0)
+        if journal is not None:
+            state.journal_bytes = journal.pending_bytes
         if publish is not None:
             try:
                 publish(state)
             except Exception:  # a broken observer must not stop recording
                 log.exception("recorder publish callback failed")
+        last_publish = time.monotonic()
 
     try:
         stop_deadline = None
@@ -174,10 +414,12 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
                 # On stop, drain what the rings hold (the arbiter stops producers first), but for at
                 # most stop_grace_s, so producers that keep going cannot keep us alive.
                 stop_deadline = time.monotonic() + stop_grace_s
+            if held:
+                pump()
             got = 0
             room = batch_max - nbatch
             caught_up = True  # every ring read returned all it held (not cut short by the batch's room)
-            if room > 0 and nrings and not (stopping and time.monotonic() > stop_deadline):
+            if not held and room > 0 and nrings and not (stopping and time.monotonic() > stop_deadline):
                 for k in range(nrings):
                     slot = (start + k) % nrings
                     try:
@@ -189,19 +431,16 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
                         # ring (the arbiter would restart us into the same record): write what was read,
                         # then skip this ring to its head, counted and logged, never silently.
                         if batch:
-                            prepared = store.prepare(sid, batch)
-                            if pending is not None:
-                                finish(pending)
-                                pending = None
-                            if abandoned:
+                            if not flush(batch, nbatch):
                                 return state
-                            pending = (writer.submit(commit, prepared), prepared.positions, nbatch)
                             batch, nbatch = [], 0
                         if pending is not None:
                             finish(pending)
                             pending = None
                         if abandoned:
                             return state
+                        if held:
+                            break  # the journal is full: skip the ring once it has room
                         head = rings[slot].head
                         skipped = head - cursor[slot]
                         rings[slot].release(head)
@@ -223,11 +462,18 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
                             break
                 start = (start + 1) % nrings
             now = time.monotonic()
-            if pending is not None and pending[0].done():
-                finish(pending)
-                pending = None
-                do_publish()
-                last_publish = now
+            if pending is not None:
+                if pending[0].done():
+                    finish(pending)
+                    pending = None
+                    if abandoned:
+                        return state
+                    if not spilling:
+                        do_publish()
+                elif journal is not None and now - pending[4] > spill_after_s:
+                    # A write that neither commits nor fails (a store that stopped answering): spill.
+                    p, pending = pending, None
+                    detach(p, f"a write has not returned for {now - p[4]:.1f} s")
             if prune_fut is not None and prune_fut.done():
                 try:
                     deleted = prune_fut.result()
@@ -237,23 +483,45 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
                 # More expired rows: the next chunk soon, never one long delete.
                 next_prune = now + (0.2 if deleted else prune_every_s)
                 prune_fut = None
-            if prune_fut is None and now >= next_prune and not stopping:
+            if prune_fut is None and now >= next_prune and not stopping and not spilling:
                 # One bounded chunk, queued on the writer between two commits: retention runs under
                 # sustained load too, and delays a commit by one chunk at most.
                 prune_fut = writer.submit(store.prune, prune_rows)
                 next_prune = float("inf")
+            if drainer is not None:
+                if drain_fut is not None and drain_fut.done():
+                    try:
+                        pos, n = drain_fut.result()
+                    except Exception as e:  # noqa: BLE001 - the store is still away: try again later
+                        store_down(f"{type(e).__name__}: {e}")
+                        next_drain = now + drain_delay
+                        drain_delay = min(drain_delay * 2, 0.5)
+                    else:
+                        store_back()
+                        journal.mark_drained(pos)
+                        state.records += n
+                        state.drained += n
+                        state.batches += 1 if n else 0
+                        state.journal_runs = journal.pending_runs
+                        state.journal_bytes = journal.pending_bytes
+                        drain_delay = 0.05
+                        next_drain = now
+                        if n:
+                            do_publish()
+                    drain_fut = None
+                if spilling and drain_fut is None and pending is None:
+                    if journal.pending_bytes > 0 or not state.store_up:
+                        if now >= next_drain:
+                            drain_fut = writer.submit(drainer.step, batch_max)
+                    elif not held:
+                        spilling = False  # the journal is in the store: newer runs go straight there
+                        state.journal_runs = 0
+                        log.info("run journal drained; recording straight into the run store again")
             full = nbatch >= batch_max
             due = batch and (full or stopping or (now - batch_t0) * 1000.0 >= batch_ms)
-            if due:
-                prepared = store.prepare(sid, batch)
-                if pending is not None:
-                    finish(pending)
-                    pending = None
-                    if abandoned:
-                        return state
-                    do_publish()
-                    last_publish = time.monotonic()
-                pending = (writer.submit(commit, prepared), prepared.positions, nbatch)
+            if due and not held:
+                if not flush(batch, nbatch):
+                    return state
                 batch = []
                 nbatch = 0
                 continue
@@ -272,7 +540,6 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
             # of runs), one wakeup per batch; with no batch open, polls back off to batch_ms.
             if now - last_publish >= 1.0:
                 do_publish()
-                last_publish = now
             if got:
                 idle = idle_sleep_ms / 1000.0
             if batch:
@@ -280,9 +547,17 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
             else:
                 wait = idle
                 idle = min(idle * 2, max(idle_sleep_ms, batch_ms) / 1000.0)
+            if spilling:
+                wait = min(wait, 0.02)  # drains and held frames are polled
             stop_event.wait(wait)
     finally:
         writer.shutdown(wait=True)
 
 
-__all__ = ["RecorderState", "resume_positions", "run_recorder", "source_identity"]
+def _quiet(fut):
+    """A detached write's outcome: logged, never raised (its runs are in the journal)."""
+    if not fut.cancelled() and fut.exception() is not None:
+        log.debug("detached run store write failed: %s", fut.exception())
+
+
+__all__ = ["RecorderState", "StoreDown", "resume_positions", "run_recorder", "source_identity"]

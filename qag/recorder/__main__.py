@@ -13,6 +13,7 @@ EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_NO_SEGMENT = 3
 EXIT_STORE = 4
+EXIT_JOURNAL = 5
 
 
 def main(argv=None) -> int:
@@ -27,6 +28,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-ms", type=int, default=50)
     ap.add_argument("--attach-timeout", type=float, default=10.0,
                     help="seconds to wait for the segment to appear")
+    ap.add_argument("--journal", default=None,
+                    help="journal directory (default: QAG_JOURNAL_DIR, else QAG_HOME/journal/<segment>); 'off': none")
     args = ap.parse_args(argv)
     if not args.store:
         ap.error("--store (or QAG_RUN_STORE_URL) is required")
@@ -58,37 +61,125 @@ def main(argv=None) -> int:
                 return EXIT_NO_SEGMENT
             time.sleep(0.1)
 
-    from ..runstore import open_store
     from . import run_recorder
+    from .journal import Journal, JournalError
 
+    jcfg = journal_settings()
+    journal = None
+    jdir = args.journal or jcfg["dir"] or os.path.join(jcfg["home"], "journal", args.segment.strip("/"))
+    if jdir != "off":
+        try:
+            journal = Journal(jdir, max_bytes=jcfg["max_bytes"], fsync=jcfg["fsync"])
+        except JournalError as e:
+            log.error("%s", e)
+            return EXIT_JOURNAL
+        if journal.pending_bytes:
+            log.info("journal %s holds %d runs (%d bytes) not yet in the run store", jdir, journal.pending_runs,
+                     journal.pending_bytes)
+
+    store = LazyStore(args.store)
     try:
-        store = open_store(args.store)
-        store.ensure_schema()
-    except Exception as e:  # noqa: BLE001 - report and let the arbiter restart us with backoff
-        log.error("run store %s unavailable: %s", _redact(args.store), e)
-        return EXIT_STORE
+        store.open()
+    except Exception as e:  # noqa: BLE001 - with a journal, record into it until the store is back
+        if journal is None:
+            log.error("run store %s unavailable: %s", _redact(args.store), e)
+            return EXIT_STORE
+        log.warning("run store %s unavailable at start (%s): recording into the journal %s until it is back",
+                    _redact(args.store), e, jdir)
 
     publish = None
     if args.slot is not None:
         seg.set_slot(args.slot, "recorder")
 
-        counted = [0]
+        counted = {"batches": 0, "spilled": 0}
 
         def publish(state, _seg=seg, _slot=args.slot):
             # Heartbeat value: the last committed event id (LAYOUT.md [Slots] M2). Ring positions need
             # no copy: each ring's tail is the recorder's durable position in that ring.
             _seg.set_heartbeat(_slot, state.last_event_id)
-            if state.batches > counted[0]:
-                _seg.counter_add(_slot, "qag_recorder_batches_total", (), state.batches - counted[0])
-                counted[0] = state.batches
+            if state.batches > counted["batches"]:
+                _seg.counter_add(_slot, "qag_recorder_batches_total", (), state.batches - counted["batches"])
+                counted["batches"] = state.batches
+            if state.spilled > counted["spilled"]:
+                _seg.counter_add(_slot, "qag_journal_spilled_runs_total", (), state.spilled - counted["spilled"])
+                counted["spilled"] = state.spilled
+            _seg.gauge_set(_slot, "qag_run_store_up", (), 1 if state.store_up else 0)
+            _seg.gauge_set(_slot, "qag_journal_bytes", (), state.journal_bytes)
+            _seg.gauge_set(_slot, "qag_journal_runs", (), state.journal_runs)
+            _seg.gauge_set(_slot, "qag_journal_full", (), 1 if state.journal_full else 0)
+
+        publish(_Initial(journal))
 
     log.info("recording segment %s into %s", args.segment, _redact(args.store))
-    batch_max = args.batch_max or getattr(store, "batch_max_hint", 5000)
-    state = run_recorder(seg, store, stop, batch_max=batch_max, batch_ms=args.batch_ms, publish=publish)
+    batch_max = args.batch_max or batch_max_hint(args.store)
+    state = run_recorder(seg, store, stop, batch_max=batch_max, batch_ms=args.batch_ms, publish=publish,
+                         journal=journal, spill_after_s=jcfg["spill_after_ms"] / 1000.0)
     log.info("stopped: %d runs in %d batches, last event id %d", state.records, state.batches, state.last_event_id)
     store.close()
+    if journal is not None:
+        journal.close(remove_if_empty=True)
     seg.close()
     return EXIT_OK
+
+
+class _Initial:
+    """What publish() shows before the first batch: the store assumed up, the journal as opened."""
+
+    def __init__(self, journal):
+        self.last_event_id = self.batches = self.spilled = 0
+        self.store_up = True
+        self.journal_bytes = journal.pending_bytes if journal is not None else 0
+        self.journal_runs = journal.pending_runs if journal is not None else 0
+        self.journal_full = False
+
+
+def journal_settings(environ=None) -> dict:
+    """The journal's settings (declared in qag/config.py: QAG_JOURNAL_*), and QAG_HOME."""
+    from .. import config
+
+    cfg = config.load(environ)
+    return {"home": cfg.home, "dir": cfg.journal_dir, "max_bytes": cfg.journal_max_bytes,
+            "fsync": cfg.journal_fsync, "spill_after_ms": cfg.journal_spill_after_ms}
+
+
+def batch_max_hint(url: str) -> int:
+    """The store's batch size hint, known from its URL (the store may not be reachable yet)."""
+    from ..runstore import CLICKHOUSE_SCHEMES
+
+    if url.startswith(CLICKHOUSE_SCHEMES):
+        return 64_000
+    if url.startswith(("postgresql://", "postgres://")):
+        return 20_000
+    return 5000
+
+
+class LazyStore:
+    """The run store, opened (and its schema ensured) on first use and again after a failed open, so
+    a recorder starts, and records into its journal, while the store is away."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self._store = None
+
+    def open(self):
+        if self._store is None:
+            from ..runstore import open_store
+
+            st = open_store(self.url)
+            try:
+                st.ensure_schema()
+            except BaseException:
+                st.close()
+                raise
+            self._store = st
+        return self._store
+
+    def __getattr__(self, name):
+        return getattr(self.open(), name)
+
+    def close(self):
+        if self._store is not None:
+            self._store.close()
 
 
 def _redact(url: str) -> str:

@@ -31,6 +31,11 @@ _READ = ", ".join('"rows"' if c == "rows" else c for c in READ_COLUMNS)
 
 _unpackb = msgpack.unpackb
 
+# A server that stops answering (frozen, a network partition) fails a write or a read within about
+# 15 s instead of hanging the recorder's writer for ever: TCP keepalives and a send timeout (libpq).
+_PG_CONNECT = {"connect_timeout": 5, "keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2,
+               "keepalives_count": 3, "tcp_user_timeout": 15000}
+
 # COPY text format escapes (PostgreSQL docs, "COPY ... Text Format").
 _COPY_SPECIAL = re.compile(r"[\\\t\n\r]")
 _COPY_ESC = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
@@ -207,7 +212,7 @@ class SqlRunStore:
             import psycopg2
 
             self._psycopg2 = psycopg2
-            self.conn = psycopg2.connect(url)
+            self.conn = psycopg2.connect(url, **_PG_CONNECT)
             self.conn.autocommit = False
             # Under a backlog, fewer and larger transactions: 46k against 37k runs/s here (measured;
             # a batch still closes after batch_ms, so at lower rates batches stay small).
@@ -231,7 +236,7 @@ class SqlRunStore:
     def _pg_alive(self):
         """Reconnect after the server dropped us (a restart, a failover): the recorder retries."""
         if self.conn.closed:
-            self.conn = self._psycopg2.connect(self.url)
+            self.conn = self._psycopg2.connect(self.url, **_PG_CONNECT)
 
     def _pg_failed(self, exc):
         if isinstance(exc, (self._psycopg2.OperationalError, self._psycopg2.InterfaceError)):
