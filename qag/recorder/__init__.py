@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_for_futures
 
 log = logging.getLogger("qag.recorder")
 
@@ -214,8 +215,8 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
         state.store_up = False
         state.store_down_since = time.monotonic()
         state.last_error = f"{type(e).__name__}: {e}"[:500]
-        log.warning("run store unavailable at start (%s); spilling runs to the journal %s", state.last_error,
-                    journal.dir)
+        log.info("run store unavailable at start (%s); spilling runs to the journal %s", state.last_error,
+                 journal.dir)
     if journal is not None:
         for slot, p in journal.ring_positions(sid).items():
             if p > durable.get(slot, -1):
@@ -340,7 +341,14 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
 
     def finish(p):
         nonlocal spilling
-        fut, positions, n, _chunks, _t = p
+        fut, positions, n, _chunks, t_sub = p
+        if journal is not None and not fut.done():
+            # Wait for the write no longer than spill_after_s from its start: a store that does not
+            # answer (a held lock, a frozen server) must not stop the draining of the rings.
+            wait_for_futures([fut], timeout=max(0.0, t_sub + spill_after_s - time.monotonic()))
+            if not fut.done():
+                detach(p, f"a write has not returned for {time.monotonic() - t_sub:.1f} s")
+                return
         try:
             _first, last, _written = fut.result()
         except StoreDown as e:

@@ -36,6 +36,10 @@ def main(argv=None) -> int:
     logging.basicConfig(level=os.environ.get("QAG_LOG_LEVEL", "INFO").upper(),
                         format="%(asctime)s qag: recorder %(levelname)s %(message)s")
     log = logging.getLogger("qag.recorder")
+    # While the store is away every retry would log a driver warning: the recorder logs the outage
+    # once itself (and when it ends), so the drivers' own retries stay quiet.
+    for noisy in ("clickhouse_connect", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
     try:
         from setproctitle import setproctitle
 
