@@ -97,6 +97,9 @@ def resume_positions(rings, durable: dict[int, int]) -> dict[int, int]:
     return cursor
 
 
+CLOSE_S = 1.0  # most a new batch waits, leaving the journal, for the drain that empties it
+
+
 class StoreDown(RuntimeError):
     """The run store refused or did not answer a write for longer than the recorder waits before it
     spills to its journal (the batch's outcome is then unknown: it may have committed)."""
@@ -122,11 +125,15 @@ class _Drainer:
 
     def step(self, max_runs: int) -> tuple[int, int]:
         """Commit the next frames (whole ones, up to max_runs runs). Returns (journal position, runs)."""
+        t0 = time.monotonic()
         try:
-            return self._step(max_runs)
-        except BaseException:
+            pos, n = self._step(max_runs)
+        except BaseException as e:
             self.synced = False
+            log.debug("journal drain failed after %.2f s: %s", time.monotonic() - t0, e)
             raise
+        log.debug("journal drain: %d runs, up to position %d, in %.2f s", n, pos, time.monotonic() - t0)
+        return pos, n
 
     def _step(self, max_runs):
         store, journal = self.store, self.journal
@@ -156,9 +163,18 @@ class _Drainer:
         frames = journal.read(self.pos, max_runs)
         if not frames:
             return self.pos, 0
+        if frames[0][3] is not None:
+            # A batch whose outcome was unknown, journalled with the store's own inserts (ClickHouse):
+            # sent again exactly as before, it lands once in each table whatever the first try left.
+            end, source, fchunks, replay = frames[0]
+            store.replay(source, replay)
+            self.src_pos.pop(source, None)
+            self.pos = end
+            return end, sum(len(rr) for _slot, rr in fchunks)
+        frames = frames[:next((i for i, f in enumerate(frames) if f[3] is not None), len(frames))]
         chunks = []
         n = 0
-        for end, source, fchunks in frames:
+        for end, source, fchunks, _replay in frames:
             durable = self.src_pos.get(source)
             if durable is None:
                 durable = self.src_pos[source] = store.positions(source)
@@ -224,7 +240,7 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
     cursor = resume_positions(rings, durable)
     state.positions = dict(cursor)
     writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qag-recorder-writer")
-    pending = None            # (future, {slot: pos}, n records, chunks, submitted at) of the batch being committed
+    pending = None            # (future, {slot: pos}, n, chunks, submitted at, prepared) of the batch being committed
     batch: list = []          # [(slot, [(pos_after, payload), ...])], one chunk per ring read
     nbatch = 0
     batch_t0 = 0.0
@@ -240,6 +256,7 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
     drain_fut = None
     next_drain = 0.0
     drain_delay = 0.05
+    closing = 0.0             # while spilling: until when new batches wait for the last drain (0: they don't)
     held: list = []           # [(chunks, positions, n)] batches a full journal could not take yet, in order
     jpositions = journal.ring_positions(sid) if journal is not None else {}
     if journal is not None:
@@ -293,22 +310,22 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
             log.info("run store back after %.1f s; draining %d runs (%d bytes) from the journal",
                      time.monotonic() - state.store_down_since, journal.pending_runs, journal.pending_bytes)
 
-    def spill(chunks, positions, n) -> bool:
+    def spill(chunks, positions, n, replay=None) -> bool:
         """Main thread: put a batch in the journal, then release the rings up to it. False when the
         journal is full: the batch is held (in order, behind any held before it) and the caller reads
         no more from the rings, which keep the rest."""
-        held.append((chunks, positions, n))
+        held.append((chunks, positions, n, replay))
         return pump()
 
     def pump() -> bool:
         while held:
-            chunks, positions, n = held[0]
+            chunks, positions, n, replay = held[0]
             new = dict(jpositions)
             for slot, pos in positions.items():
                 if pos > new.get(slot, -1):
                     new[slot] = pos
             try:
-                journal.append(sid, new, chunks)
+                journal.append(sid, new, chunks, replay)
             except Exception as e:  # JournalFull, or the disk refusing (ENOSPC, EIO): hold, retry later
                 if not state.journal_full:
                     state.journal_full = True
@@ -331,17 +348,19 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
 
     def detach(p, reason: str):
         """Spill the batch in flight: whether or not its commit lands, the drainer sorts it out (it
-        runs after that commit on the one writer thread, and drops runs the store already has)."""
+        runs after that commit on the one writer thread, and drops runs the store already has, or, on
+        ClickHouse, sends the very same inserts again: their tokens make them land once)."""
         nonlocal spilling
-        fut, positions, n, chunks, _t = p
+        fut, positions, n, chunks, _t, prepared = p
         store_down(reason)
         spilling = True
         fut.add_done_callback(_quiet)
-        spill(chunks, positions, n)
+        replay = getattr(store, "replay_data", lambda b: None)(prepared)
+        spill(chunks, positions, n, replay)
 
     def finish(p):
         nonlocal spilling
-        fut, positions, n, _chunks, t_sub = p
+        fut, positions, n, _chunks, t_sub, _prepared = p
         if journal is not None and not fut.done():
             # Wait for the write no longer than spill_after_s from its start: a store that does not
             # answer (a held lock, a frozen server) must not stop the draining of the rings.
@@ -397,7 +416,7 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
         if spilling:  # finish() found the store gone: this batch follows it into the journal
             spill(chunks, dict(prepared.positions), n)
             return True
-        pending = (writer.submit(commit, prepared), prepared.positions, n, chunks, time.monotonic())
+        pending = (writer.submit(commit, prepared), prepared.positions, n, chunks, time.monotonic(), prepared)
         return True
 
     def do_publish():
@@ -504,6 +523,7 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
                         store_down(f"{type(e).__name__}: {e}")
                         next_drain = now + drain_delay
                         drain_delay = min(drain_delay * 2, 0.5)
+                        closing = 0.0
                     else:
                         store_back()
                         journal.mark_drained(pos)
@@ -516,18 +536,26 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
                         next_drain = now
                         if n:
                             do_publish()
+                        if journal.pending_runs <= batch_max and not closing and not held:
+                            # Nearly drained: hold new batches back for one more drain (at most
+                            # CLOSE_S), or a store slower than the arrivals between two drains (each
+                            # drain takes what came meanwhile) would keep every run in the journal.
+                            closing = now + CLOSE_S
                     drain_fut = None
+                if closing and (now > closing or stopping):
+                    closing = 0.0  # the last drain is taking too long: spill the held batch after all
                 if spilling and drain_fut is None and pending is None:
                     if journal.pending_bytes > 0 or not state.store_up:
                         if now >= next_drain:
                             drain_fut = writer.submit(drainer.step, batch_max)
                     elif not held:
                         spilling = False  # the journal is in the store: newer runs go straight there
+                        closing = 0.0
                         state.journal_runs = 0
                         log.info("run journal drained; recording straight into the run store again")
             full = nbatch >= batch_max
             due = batch and (full or stopping or (now - batch_t0) * 1000.0 >= batch_ms)
-            if due and not held:
+            if due and not held and not (spilling and closing):
                 if not flush(batch, nbatch):
                     return state
                 batch = []

@@ -11,7 +11,10 @@ when the store is back. Format (see README.md in this folder, "The run journal")
 
   file header  magic b"QAGJRNL1" | journal id (16 bytes) | start position (u64 LE)
   frame        u32 magic 0x4652514A ("JQRF") | u32 body length | u32 runs | u32 crc32(length, runs, body)
-               | body = msgpack [source, {slot: ring position journaled so far}, [[slot, [[pos_after, payload], ...]], ...]]
+               | body = msgpack [source, {slot: ring position journaled so far}, [[slot, [[pos_after, payload], ...]], ...],
+                                 replay]
+               replay: null, or (ClickHouse) the store's own inserts of a batch whose outcome was unknown
+               when it was spilled, replayed as they were sent (same ids and deduplication tokens)
 
 A frame is whole when its length fits in the file and its crc matches: a torn tail (a crash while
 appending) fails one of the two and is cut off at open, never misread. Runs are payloads exactly as
@@ -164,7 +167,7 @@ class Journal:
             os.fsync(f.fd)
         f.end = f.start + off - FILE_HEADER.size
         if last_body is not None:
-            source, positions, _chunks = msgpack.unpackb(last_body, raw=False, strict_map_key=False)
+            source, positions = msgpack.unpackb(last_body, raw=False, strict_map_key=False)[:2]
             self.last_positions = (source, {int(k): int(v) for k, v in positions.items()})
 
     # -- state ---------------------------------------------------------------------------------------
@@ -188,14 +191,14 @@ class Journal:
         return {}
 
     # -- appending (the recorder's main thread) ---------------------------------------------------------
-    def append(self, source: str, positions: dict[int, int], chunks) -> int:
+    def append(self, source: str, positions: dict[int, int], chunks, replay=None) -> int:
         """Append one frame (the runs of `chunks`, [(slot, [(pos_after, payload), ...])]); `positions` is
         how far into each ring of `source` the journal holds runs once this frame is in. Durable per the
         fsync policy when it returns. Returns the journal position after the frame."""
         runs = 0
         for _slot, recs in chunks:
             runs += len(recs)
-        body = _pack((source, positions, chunks))
+        body = _pack((source, positions, chunks, replay))
         n = len(body)
         need = FRAME_HEADER.size + n
         if self.pending_bytes + need > self.max_bytes:
@@ -231,8 +234,8 @@ class Journal:
         return f
 
     # -- reading (the recorder's writer thread) -------------------------------------------------------
-    def read(self, pos: int, max_runs: int) -> list[tuple[int, str, list]]:
-        """Whole frames from `pos` (a frame boundary): [(position after the frame, source, chunks)],
+    def read(self, pos: int, max_runs: int) -> list[tuple[int, str, list, object]]:
+        """Whole frames from `pos` (a frame boundary): [(position after the frame, source, chunks, replay)],
         at least one frame if any, then more while their runs fit in max_runs."""
         out: list = []
         runs = 0
@@ -250,9 +253,9 @@ class Journal:
                 if out and runs + nr > max_runs:
                     return out
                 body = os.pread(f.fd, n, FILE_HEADER.size + off - f.start + FRAME_HEADER.size)
-                source, _positions, chunks = msgpack.unpackb(body, raw=False, strict_map_key=False)
+                t = msgpack.unpackb(body, raw=False, strict_map_key=False)
                 off += FRAME_HEADER.size + n
-                out.append((off, source, chunks))
+                out.append((off, t[0], t[2], t[3] if len(t) > 3 else None))
                 runs += nr
         return out
 

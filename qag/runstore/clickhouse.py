@@ -285,6 +285,17 @@ class ClickHouseRunStore:
         self.bad_records += batch.bad
         return batch.first, batch.last, batch.n
 
+    def replay_data(self, batch: CHBatch):
+        """What replays this batch exactly as it was sent (the same ids, rows and deduplication tokens),
+        for the recorder's journal when its outcome is unknown: replaying lands it once in every table,
+        also where a crash left it in a view but not in qag_events (or the other way round)."""
+        return [[bfirst, body] for bfirst, body in batch.inserts] if batch.inserts else None
+
+    def replay(self, source: str, data) -> None:
+        batch = CHBatch(source, [(int(b), bytes(body)) for b, body in data], {}, 0, 0, 0, 0)
+        for bfirst, body in batch.inserts:
+            self._insert(batch, bfirst, body)
+
     def _insert(self, batch, bfirst, body):
         settings = {**_DEDUP, "insert_deduplication_token": f"{batch.source}:{bfirst}"}
         try:

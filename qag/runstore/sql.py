@@ -381,6 +381,11 @@ class SqlRunStore:
         self.bad_records += batch.bad
         return out
 
+    def replay_data(self, batch) -> None:
+        """None: a SQL batch commits whole or not at all, so the recorder's journal needs no replay of
+        one whose outcome it could not see (it checks the durable ring positions instead)."""
+        return None
+
     def _kept(self, rows, first: int) -> list[bool] | None:
         """Which runs of a batch whose ids start at `first` history keeps; None: every one (rate 1).
         Failures always; successes by a deterministic permutation of the id (the ClickHouse view's

@@ -27,8 +27,8 @@ def test_frames_read_back_in_order_and_survive_reopening(tmp_path):
     assert ends == sorted(ends) and j.pending_runs == 200
     assert len(j.files) > 1  # rotated at file_bytes
     got = j.read(0, 10**9)
-    assert [e for e, _s, _c in got] == ends
-    assert [p[1] for _e, _s, c in got for p in c[0][1]] == [p[1] for k in range(20) for p in chunk(0, k * 10, 10)[1]]
+    assert [f[0] for f in got] == ends
+    assert [p[1] for f in got for p in f[2][0][1]] == [p[1] for k in range(20) for p in chunk(0, k * 10, 10)[1]]
     j.close()
     j2 = Journal(str(tmp_path / "j"), file_bytes=4096)
     assert (j2.drained, j2.end, j2.pending_runs, j2.torn_bytes) == (0, ends[-1], 200, 0)
