@@ -1,6 +1,6 @@
 """Changes made elsewhere reach this host's generations: another host on the same PostgreSQL store (through
 `LISTEN qag_changes`, delivered at the other host's commit), or an edit that did not go through this host
-(the CLI, a script): the store's change log is read as a fallback every second (POLL_S).
+(the CLI, a script): the store's change log is read as a fallback every half second (POLL_S).
 
 Nothing can be lost between the two. Every change carries a sequence number that commits in order
 (qag/store.py, migration 2), and the watcher remembers in the segment the last one it applied (its slot's
@@ -26,8 +26,9 @@ log = logging.getLogger("qag.changes")
 _time_ns = time.time_ns
 
 KIND = {"connection": "connection", "query": "query", "api_key": "key", "admin": "key"}
-POLL_S = 1.0     # the fallback read of the change log, and the heartbeat's period
-STALE_S = 3.0    # a heartbeat older than this: the watcher is not caught up (hung, or cannot read the store)
+POLL_S = 0.5     # the fallback read of the change log (one indexed SELECT), and the heartbeat's period
+STALE_S = 3.0    # a heartbeat older than this: the watcher is not caught up (hung, or cannot read the store);
+                 # six periods, so a loaded machine's late beat does not send the workers to the store
 ROLE = "other"   # the watcher's slot role (shm/LAYOUT.md [Slot metadata] W1)
 BATCH = 10_000
 
@@ -107,9 +108,10 @@ class ChangeWatcher:
         self.applied = 0
         self.full_bumps = 0
 
-    def catch_up(self) -> None:
-        """Every change committed after the position into the generations, then publish the new position."""
-        top = self.store.change_position()
+    def catch_up(self, check_position: bool = True) -> None:
+        """Every change committed after the position into the generations, then publish the new position.
+        check_position (on every (re)connection): also compare the position with the store's own (W3)."""
+        top = self.store.change_position() if check_position or self.position is None else self.position
         if self.position is None or self.position > top:
             # W3: what this segment applied is unknown: every change up to `top` is in the store now, so
             # invalidating everything makes each cached entry re-read it; the ones after `top` follow.
@@ -139,6 +141,7 @@ class ChangeWatcher:
 
     def run(self) -> None:
         conn = None
+        fresh = True  # a (re)connection: W3's full check
         while not self.stop.is_set():
             try:
                 if self.store.is_pg and conn is None:
@@ -146,8 +149,10 @@ class ChangeWatcher:
                     conn = psycopg2.connect(self.store.url, application_name=self.listen_name, connect_timeout=3)
                     conn.autocommit = True
                     conn.cursor().execute("LISTEN qag_changes")
+                    fresh = True
                 # LISTEN is in effect before this read: a change committed later is notified or read next time
-                self.catch_up()
+                self.catch_up(check_position=fresh)
+                fresh = False
                 if conn is not None:
                     ready, _, _ = select.select([conn], [], [], POLL_S)
                     if ready:
@@ -157,6 +162,7 @@ class ChangeWatcher:
                     self.stop.wait(POLL_S)
             except Exception as exc:  # the store is away: keep trying; workers re-read it (or answer 503) meanwhile
                 self.not_current(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+                fresh = True
                 if conn is not None:
                     try:
                         conn.close()
