@@ -224,6 +224,13 @@ def static_paths() -> dict:
                        params=[_q("limit", "Page size", {"type": "integer"}), _q("cursor", "From next_cursor")]),
             "post": _op("create_query", "Save a query", _json("Query", "Created"), status="201", body=query_body,
                         errors={**ADMIN_ERRORS, "409": _err("Exists")})},
+        "/api/v1/queries/validate": {"post": _op(
+            "validate_query", "The checks a save makes, as data (never runs the statement)", _json(
+                {"type": "object", "required": ["valid", "errors", "parameters", "tables"],
+                 "properties": {"valid": {"type": "boolean"}, "errors": {"type": "array", "items": {"type": "object"}},
+                                "parameters": {"type": "object"}, "tables": {"type": "array",
+                                                                             "items": {"type": "string"}}}}),
+            body={"type": "object"})},
         "/api/v1/queries/{name}": {
             "parameters": PATH_NAME,
             "get": _op("get_query", "Get a saved query", _json("Query"),
