@@ -157,7 +157,10 @@ class DataResource:
             principal = req.env.get("qag.console_principal") or rt.authenticate(req.get_header("X-API-Key"),
                                                                                 client_addr(req))
             run["key_name"] = None if principal.admin else principal.name
-            rt.check_rate(principal)
+            limits = rt.check_rate(principal)
+            if limits is not None:
+                for hk, hv in limits.headers.items():
+                    resp.set_header(hk, hv)
             opts = call_options(given, app.cfg)
             t_auth = time.perf_counter()
             hits = rt.plan_hits
@@ -185,6 +188,8 @@ class DataResource:
                     resp.data = body
                     run["rows"], run["bytes"] = nrows, len(body)
                     app.finish(req, run, 200, None, t0, None, plan_hit)
+                    if limits is not None and limits.rows_keys:
+                        rt.limiter.count_rows(limits, nrows)
                     return
             if opts.stream:
                 if plan.is_write:
@@ -238,6 +243,8 @@ class DataResource:
                 (t_auth - t0) * 1000, (t_plan - t_auth) * 1000, (t_bind - t_plan) * 1000, (t_exec - t_bind) * 1000,
                 (t_gov - t_exec) * 1000, (t_render - t_gov) * 1000))
             app.finish(req, run, 200, None, t0, query_seconds, plan_hit)
+            if limits is not None and limits.rows_keys:
+                rt.limiter.count_rows(limits, run["rows"])
         except ApiError as err:
             app.finish(req, run, err.status, err.code, t0, query_seconds, plan_hit)
             raise
@@ -378,6 +385,7 @@ class QagApp:
         self.cfg = cfg
         self.runtime = runtime
         self.observer = observer or Observer()
+        runtime.limiter.observe_fallback = self.observer.limit_fallback
         self.recorder = recorder  # callable(run: dict) or None
         self.segment = segment
         self.run_store_url: str | None = None

@@ -93,6 +93,12 @@ def _http_worker(text: str) -> str:
     return v
 
 
+def _redis_url(text: str) -> str:
+    if text and not text.split("://", 1)[0] in ("redis", "rediss", "unix"):
+        raise ValueError("expected a redis://, rediss:// or unix:// URL")
+    return text
+
+
 def _str(text: str) -> str:
     return text
 
@@ -143,6 +149,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("events_settle_ms", "QAG_EVENTS_SETTLE_MS", _nonneg_int, "0", "With several writers: events are delivered once older than this, so none arrives out of order.", "ms"),
     Setting("log_level", "QAG_LOG_LEVEL", _str, "info", "Log level of the arbiter and workers.", "str"),
     Setting("access_log", "QAG_ACCESS_LOG", _bool, "0", "Write a gunicorn access log line per request (runs are the access log).", "bool"),
+    Setting("redis_url", "QAG_REDIS_URL", _redis_url, "", "Redis shared by every host for rate limits and quotas (empty: counted per host).", "url"),
     Setting("console_session_seconds", "QAG_CONSOLE_SESSION_SECONDS", _pos_int, "28800", "Lifetime of a Console sign-in (the session cookie and its row in the store).", "seconds"),
 )
 

@@ -38,6 +38,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "qag_change_watcher_current": ("gauge", ("1 while this host's change watcher is caught up with the metadata "
                                              "store (cached entries are trusted), else 0 (every call re-reads "
                                              "the store)."), ()),
+    "qag_limits_fallback_total": ("counter", "Limit and quota decisions made on this host because Redis did not "
+                                  "answer, by reason.", ("reason",)),
 }
 
 # Series exported from the first scrape, before anything happened: `increase()` needs a sample before the
@@ -45,6 +47,7 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 # are all in; these are the labelled ones whose label values are known in advance.
 INITIAL_LABELS: dict[str, tuple[tuple[str, ...], ...]] = {
     "qag_plan_cache_total": (("hit",), ("miss",)),
+    "qag_limits_fallback_total": (("redis_unavailable",),),
 }
 
 def reference_markdown() -> str:
@@ -127,6 +130,10 @@ class Observer:
                 b.counter_add(slot, "qag_plan_cache_total", _HIT if plan_hit else _MISS, 1)
             if recorded is not None:
                 b.counter_add(slot, "qag_runs_recorded_total" if recorded else "qag_runs_lost_total", (), 1)
+
+    def limit_fallback(self, reason: str) -> None:
+        with self.lock:
+            self.backend.counter_add(self.slot, "qag_limits_fallback_total", (("reason", reason),), 1)
 
     def store_statement(self) -> None:
         with self.lock:

@@ -70,6 +70,8 @@ class Runtime:
         self._lock = threading.Lock()
         self._mask_key: bytes | None = None
         self._rate: dict[str, list] = {}
+        from qag.limits import Limiter
+        self.limiter = Limiter(cfg, self._host_window)
         self.plan_hits = 0
         self.plan_misses = 0
         self.publisher = None  # qag.publish.Publisher when a segment is attached
@@ -141,37 +143,38 @@ class Runtime:
                 raise ApiError(401, "unauthorized", UNAUTHORIZED)
         return Principal(False, row["name"], row, gen)
 
-    def check_rate(self, principal: Principal) -> None:
-        """Per-key `rate_limit` and `quota` (both `N/period`; fixed windows aligned to the period, counted in
-        each worker process)."""
+    def check_rate(self, principal: Principal):
+        """Per-key `rate_limit` and `quota` (qag/limits.py: Redis across hosts, else this host's segment); raises
+        429, else returns the limits' Decision (its RateLimit-* headers) or None for a key without limits."""
         if principal.key is None:
-            return
-        g = principal.key["grants"]
-        for field, code, what in (("rate_limit", "rate_limited", "may make"), ("quota", "quota_exceeded",
-                                                                               "has a quota of")):
-            spec = g.get(field)
-            if not spec or not isinstance(spec, str):
-                continue
-            count, period = parse_rate(spec)
-            now = time.time()
-            start = now - (now % period)
-            if self.gens is not None and hasattr(self.gens, "gauge_cells"):
-                over = self._shared_window(field, principal.name, start, count)
-            else:
-                with self._lock:
-                    k = (field, principal.name)
-                    window = self._rate.get(k)
-                    if window is None or window[0] != start:
-                        window = [start, 0]
-                        self._rate[k] = window
-                    window[1] += 1
-                    over = window[1] > count
-            if over:
-                retry = max(1, int(start + period - now + 0.999))
-                raise ApiError(429, code, f"This key {what} {spec}; wait {retry} s and retry.",
-                               {"retry_after": retry}, {"Retry-After": str(retry)})
+            return None
+        return self.limiter.check(principal.name, principal.key["grants"])
 
-    def _shared_window(self, field: str, key_name: str, start: float, count: int) -> bool:
+    def _host_window(self, field: str, key_name: str, spec, now: float):
+        """The per-host decision (no Redis, or Redis not answering): a fixed window aligned to the period, counted
+        across the host's workers in the segment. Returns (over, remaining, seconds to reset)."""
+        from qag.limits import period_bounds
+        start, end = period_bounds(spec, now)
+        count = spec.calls if spec.calls is not None else None
+        if count is None:
+            return False, spec.rows, end - now   # a rows-only quota is counted in Redis only
+        if self.gens is not None and hasattr(self.gens, "gauge_cells"):
+            over, used = self._shared_window(field, key_name, start, count)
+        else:
+            with self._lock:
+                k = (field, key_name)
+                window = self._rate.get(k)
+                if window is None or window[0] != start:
+                    window = [start, 0]
+                    self._rate[k] = window
+                if window[1] >= count:
+                    over, used = True, window[1]
+                else:
+                    window[1] += 1
+                    over, used = False, window[1]
+        return over, count - used, end - now
+
+    def _shared_window(self, field: str, key_name: str, start: float, count: int) -> tuple[bool, int]:
         """A fixed window counted across every worker of the host: each worker writes its own slot's pair of
         gauge cells (window start, calls in it); the budget is the sum over slots in the current window.
         Two workers deciding in the same microsecond may let one call more through, never a whole worker's
@@ -183,13 +186,13 @@ class Runtime:
             calls = seg.gauge_cells("qag_limit_window_calls", labels)
             used = sum(c for s_, c in zip(starts, calls) if s_ == start)
             if used >= count:
-                return True
+                return True, used
             if starts[slot] != start:
                 seg.gauge_set(slot, "qag_limit_window_calls", labels, 1)
                 seg.gauge_set(slot, "qag_limit_window_start", labels, start)
             else:
                 seg.gauge_set(slot, "qag_limit_window_calls", labels, calls[slot] + 1)
-        return False
+        return False, used + 1
 
     # -- metadata, cached ----------------------------------------------------------------------
     def query(self, name: str) -> tuple[dict | None, int]:

@@ -134,7 +134,7 @@ def test_keys_secret_once_rotate_with_grace_delete(app_client, sqlite_db, home):
     # the store holds only the hash
     db = sqlite3.connect(f"{home}/qag.db")
     assert old not in json.dumps(db.execute("SELECT * FROM qag_api_keys").fetchall())
-    for body, code in (({"name": "k2", "rate_limit": "lots"}, "invalid_field"),
+    for body, code in (({"name": "k2", "rate_limit": "lots"}, "invalid_body"),
                        ({"name": "k2", "allowed_ips": ["not-an-ip"]}, "invalid_field"),
                        ({"name": "k2", "expires_at": "tomorrow"}, "invalid_field"),
                        ({"name": "k2", "queries": "q"}, "invalid_field"),
@@ -245,4 +245,4 @@ def test_quota_and_cache_ttl(app_client, sqlite_db):
     assert c.simulate_get("/q/n", headers=h).status_code == 200
     r = c.simulate_get("/q/n", headers=h)
     assert r.status_code == 429 and r.json["code"] == "quota_exceeded" and int(r.headers["Retry-After"]) >= 1
-    assert post(c, "/api/v1/api-keys", {"name": "bad", "quota": "many"}).json["code"] == "invalid_field"
+    assert post(c, "/api/v1/api-keys", {"name": "bad", "quota": "many"}).json["code"] == "invalid_body"

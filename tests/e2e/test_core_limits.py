@@ -1,0 +1,151 @@
+"""Rate limits and quotas shared by two `qag serve` instances (their own QAG_HOME, ports and segments) through one
+PostgreSQL metadata store and one Redis: under 16 concurrent callers spread over both, a quota of N calls admits
+exactly N and a rate limit at most its bucket; RateLimit-* headers on limited answers, Retry-After on 429; quotas
+survive a restart; Redis killed mid-burst gives no 5xx, the fallback is counted, and limits are shared again once
+it is back. The killed Redis is a private redis-server on a port of its own."""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import shutil
+import sqlite3
+import subprocess
+import time
+import uuid
+
+import pytest
+import requests
+
+from tests.conftest import free_port, pg_fresh_db
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+
+
+def _redis(port: int, tmp: str) -> subprocess.Popen:
+    p = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                          "no", "--dir", tmp], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import redis
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        try:
+            redis.Redis(port=port, socket_timeout=0.2).ping()
+            return p
+        except redis.RedisError:
+            time.sleep(0.05)
+    p.kill()
+    raise RuntimeError("private redis-server did not start")
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    from tests.conftest import start_server
+    tmp = str(tmp_path_factory.mktemp("limits"))
+    port = free_port()
+    rds = _redis(port, tmp)
+    store = pg_fresh_db("qag_core_limits_store")
+    data = os.path.join(tmp, "d.db")
+    db = sqlite3.connect(data)
+    db.executescript("CREATE TABLE t (id INTEGER); INSERT INTO t VALUES (1), (2);")
+    db.commit()
+    db.close()
+    env = {"QAG_DATABASE_URL": store, "QAG_REDIS_URL": f"redis://127.0.0.1:{port}/0", "QAG_ADMIN_KEY": "adm-limits"}
+    a = start_server(env, args=("--workers", "2"))
+    b = start_server(env, args=("--workers", "1"))
+    adm = {"X-API-Key": "adm-limits"}
+    assert requests.post(a.base + "/api/v1/connections", json={"name": "d", "db": "sqlite", "database": data},
+                         headers=adm, timeout=10).status_code == 201
+    r = requests.post(a.base + "/api/v1/queries", json={"name": "two", "connection_name": "d", "publish": True,
+                                                         "sql": "SELECT id FROM t"}, headers=adm, timeout=10)
+    assert r.status_code == 201, r.text
+    yield {"a": a, "b": b, "adm": adm, "redis": rds, "redis_port": port, "tmp": tmp, "env": env}
+    a.stop()
+    b.stop()
+    rds.kill()
+    rds.wait(5)
+
+
+def make_key(h, **grants) -> str:
+    name = "k" + uuid.uuid4().hex[:10]
+    r = requests.post(h["a"].base + "/api/v1/api-keys", json={"name": name, "queries": ["two"], **grants},
+                      headers=h["adm"], timeout=10)
+    assert r.status_code == 201, r.text
+    secret = r.json()["secret"]
+    # the other host learns of the key through the store's notifications
+    deadline = time.time() + 10
+    while requests.get(h["b"].base + "/q/two", headers={"X-API-Key": secret, "X-Request-Id": "warm"},
+                       timeout=10).status_code == 401:
+        assert time.time() < deadline, "host B never saw the key"
+        time.sleep(0.1)
+    return secret
+
+
+def burst(h, secret, n, workers=16):
+    bases = [h["a"].base, h["b"].base]
+
+    def one(i):
+        return requests.get(bases[i % 2] + "/q/two", headers={"X-API-Key": secret}, timeout=20)
+    with concurrent.futures.ThreadPoolExecutor(workers) as ex:
+        return list(ex.map(one, range(n)))
+
+
+def test_a_quota_admits_exactly_n_across_two_hosts(hosts):
+    secret = make_key(hosts, quota={"calls": 41, "per": "day"})   # QueryAPIGate's shape; the warm-up call is one
+    out = burst(hosts, secret, 120)
+    codes = [r.status_code for r in out]
+    assert codes.count(200) == 40 and codes.count(429) == 80, codes
+    refused = next(r for r in out if r.status_code == 429)
+    assert refused.json()["code"] == "quota_exceeded" and int(refused.headers["Retry-After"]) >= 1
+    ok = next(r for r in out if r.status_code == 200)
+    assert ok.headers["RateLimit-Limit"] == "41" and int(ok.headers["RateLimit-Remaining"]) >= 0
+    assert int(ok.headers["RateLimit-Reset"]) > 0
+
+
+def test_a_rate_limit_admits_at_most_its_bucket(hosts):
+    secret = make_key(hosts, rate_limit="25/minute")
+    codes = [r.status_code for r in burst(hosts, secret, 100)]
+    assert 0 < codes.count(200) <= 24 and codes.count(200) + codes.count(429) == 100, codes
+    unlimited = make_key(hosts)
+    r = requests.get(hosts["a"].base + "/q/two", headers={"X-API-Key": unlimited}, timeout=10)
+    assert r.status_code == 200 and "RateLimit-Limit" not in r.headers
+
+
+def test_rows_quota_and_grammar(hosts):
+    secret = make_key(hosts, quota={"rows": 5, "per": "hour"})   # the warm-up call read 2 rows
+    codes = [requests.get(hosts["a"].base + "/q/two", headers={"X-API-Key": secret}, timeout=10).status_code
+             for _ in range(4)]
+    assert codes == [200, 200, 429, 429], codes
+    for bad in ({"rate_limit": "lots"}, {"rate_limit": "5/month"}, {"quota": {"calls": 0, "per": "day"}},
+                {"quota": {"calls": 5, "per": "fortnight"}}, {"quota": {"calls": 5, "colour": 1}}, {"quota": 5}):
+        r = requests.post(hosts["a"].base + "/api/v1/api-keys", json={"name": "bad" + uuid.uuid4().hex[:6], **bad},
+                          headers=hosts["adm"], timeout=10)
+        assert r.status_code == 400 and r.json()["code"] == "invalid_body", (bad, r.text)
+        assert r.json().get("field") in ("rate_limit", "quota")
+
+
+def test_quotas_survive_a_restart(hosts, server_factory):
+    secret = make_key(hosts, quota="6/day")
+    assert [r.status_code for r in burst(hosts, secret, 4)] == [200] * 4    # 5 used with the warm-up call
+    c = server_factory(hosts["env"], args=("--workers", "1"))                # a fresh host, same store and Redis
+    codes = [requests.get(c.base + "/q/two", headers={"X-API-Key": secret}, timeout=10).status_code for _ in range(3)]
+    assert codes == [200, 429, 429], codes
+
+
+def test_redis_down_mid_burst_falls_back_and_comes_back(hosts):
+    secret = make_key(hosts, quota="1000/day")
+    port = hosts["redis_port"]
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(burst, hosts, secret, 300, 8)
+        time.sleep(0.3)
+        hosts["redis"].kill()
+        hosts["redis"].wait(5)
+        out = fut.result()
+    assert all(r.status_code == 200 for r in out), [r.status_code for r in out if r.status_code != 200][:5]
+    metrics = requests.get(hosts["a"].base + "/metrics", timeout=10).text
+    fallback = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                   if line.startswith("qag_limits_fallback_total{"))
+    assert fallback > 0, "decisions made without Redis must be counted"
+    hosts["redis"] = _redis(port, hosts["tmp"])   # an empty Redis: the day's count starts again there
+    time.sleep(2.5)                                # past the retry interval
+    small = make_key(hosts, quota="11/day")
+    codes = [r.status_code for r in burst(hosts, small, 30)]
+    assert codes.count(200) == 10, codes
