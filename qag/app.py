@@ -121,7 +121,8 @@ class DataResource:
     """`GET|POST /q/<name>`."""
 
     ROUTE = "/q/{name}"
-    POST_FIELDS = frozenset(("params", "format", "page", "page_size", "version", "timeout", "stream"))
+    POST_FIELDS = frozenset(("params", "format", "page", "page_size", "version", "timeout", "stream",
+                             "connection_name"))
 
     def __init__(self, app: "QagApp"):
         self.app = app
@@ -164,7 +165,7 @@ class DataResource:
             opts = call_options(given, app.cfg)
             t_auth = time.perf_counter()
             hits = rt.plan_hits
-            plan, crow, connector = rt.plan(principal, name, opts.version)
+            plan, crow, connector = rt.plan(principal, name, opts.version, opts.connection)
             plan_hit = rt.plan_hits > hits
             run["version"], run["connection"] = plan.version, plan.connection
             t_plan = time.perf_counter()
@@ -174,8 +175,8 @@ class DataResource:
             t_bind = time.perf_counter()
             cache_key = None
             if plan.cache_ttl and not plan.is_write and not opts.stream:
-                cache_key = (principal.name, plan.query, plan.version, plan.gens, args, opts.page, opts.page_size,
-                             opts.format)
+                cache_key = (principal.name, plan.query, plan.version, plan.connection, plan.gens, args, opts.page,
+                             opts.page_size, opts.format)
                 hit = app.result_cache.get(cache_key)
                 if hit is not None and hit[0] > time.monotonic():
                     _, body, headers, nrows = hit
@@ -304,7 +305,7 @@ FORMAT_NAMES = ", ".join(render.FORMATS)
 
 
 class CallOptions:
-    __slots__ = ("format", "page", "page_size", "version", "timeout", "stream", "params")
+    __slots__ = ("format", "page", "page_size", "version", "timeout", "stream", "params", "connection")
 
 
 def call_options(given: dict, cfg) -> CallOptions:
@@ -356,6 +357,14 @@ def call_options(given: dict, cfg) -> CallOptions:
         if "page" in given or "page_size" in given:
             raise ApiError(400, "invalid_stream", "stream=true returns the whole result; leave out page and "
                            "page_size.")
+    c = given.get("connection_name")
+    if c is None or c == "":
+        o.connection = None
+    elif not isinstance(c, str):
+        raise ApiError(400, "param_invalid", "connection_name must be the name of a connection.",
+                       {"errors": {"connection_name": "must be a connection's name"}})
+    else:
+        o.connection = c
     o.params = {k: v for k, v in given.items() if k not in P.RESERVED}
     return o
 

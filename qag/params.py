@@ -21,7 +21,7 @@ INT_MIN, INT_MAX = -(2 ** 63), 2 ** 63 - 1
 TYPES = {"int": "int", "integer": "int", "float": "float", "number": "float", "str": "str", "string": "str",
          "bool": "bool", "boolean": "bool"}
 RULES = ("type", "required", "default", "enum", "min", "max", "min_length", "max_length", "pattern", "description")
-RESERVED = frozenset(("format", "page", "page_size", "version", "timeout", "stream"))
+RESERVED = frozenset(("format", "page", "page_size", "version", "timeout", "stream", "connection_name"))
 NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _IDENT_START = re.compile(r"[A-Za-z_]")
 _INT_RE = re.compile(r"[+-]?[0-9]+")

@@ -289,12 +289,14 @@ class Runtime:
         views_of.refresh = refresh
         return views_of
 
-    def plan(self, principal: Principal, query_name: str, version_no: int | None):
-        """The plan for this caller and query, from cache when every generation still matches."""
+    def plan(self, principal: Principal, query_name: str, version_no: int | None, connection_name: str | None = None):
+        """The plan for this caller and query, from cache when every generation still matches. connection_name
+        runs the query on another connection of the same kind that the caller is granted (its own governance)."""
         qrow, qgen = self.query(query_name)
         if qrow is None or not principal.admin and not _granted(principal.key, qrow):
             raise ApiError(404, "query_not_found",
                            f"There is no saved query named '{query_name}' that this key may run.")
+        override = connection_name is not None and connection_name != qrow["connection_name"]
         published = qrow["published_version"]
         if version_no is None:
             version_no = published
@@ -307,9 +309,13 @@ class Runtime:
             raise ApiError(404, "version_not_found",
                            f"The query '{query_name}' has no version {version_no} that this key may run; "
                            "call it without version to run the published one.")
-        crow, connector, cgen = self.connection(qrow["connection_name"])
+        if override:
+            crow, connector, cgen = self._override_connection(principal, qrow, connection_name)
+        else:
+            crow, connector, cgen = self.connection(qrow["connection_name"])
         kgen = principal.gen
-        pkey = (principal.name if not principal.admin else "\x00admin", query_name, version_no)
+        pkey = (principal.name if not principal.admin else "\x00admin", query_name, version_no,
+                crow["name"] if override else None)
         gens = (kgen, qgen, cgen)
         if self.gens is not None:
             cached = self._plans.get(pkey)
@@ -338,9 +344,28 @@ class Runtime:
             self._plans[pkey] = p
             # The plane looks plans up by (key, query) alone and serves what it finds: only the published
             # version's plan may go there, or a later call without `version` could run another one.
-            if self.publisher is not None and version_no == published:
+            if self.publisher is not None and version_no == published and not override:
                 self.publisher.plan(p, plan_mod.strip_sql(vrow["sql"]))
         return p, crow, connector
+
+    def _override_connection(self, principal: Principal, qrow: dict, name: str):
+        """`connection_name=`: granted to this caller (an administrator may name any), and of the same kind."""
+        grants = {} if principal.admin else (principal.key.get("grants") or {})
+        granted = principal.admin or name in (grants.get("connections") or []) or "*" in (grants.get("connections")
+                                                                                          or [])
+        if not granted:
+            raise ApiError(403, "connection_forbidden",
+                           f"This key is not granted a connection named '{name}'; leave connection_name out to "
+                           "use the query's own.")
+        crow, connector, cgen = self.connection(name)
+        if crow is None or connector is None:
+            raise ApiError(404, "connection_not_found", f"There is no connection named '{name}'.")
+        own, _, _ = self.connection(qrow["connection_name"])
+        if own is not None and own["db"] != crow["db"]:
+            raise ApiError(400, "connection_mismatch",
+                           f"The query '{qrow['name']}' is written for {own['db']}; the connection '{name}' is "
+                           f"{crow['db']}. Name a {own['db']} connection.")
+        return crow, connector, cgen
 
     @property
     def mask_key(self) -> bytes:

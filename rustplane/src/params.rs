@@ -394,7 +394,7 @@ fn pct_decode(s: &str) -> Option<String> {
     String::from_utf8(out).ok() // invalid UTF-8: Falcon substitutes U+FFFD; forward instead
 }
 
-pub const RESERVED: [&str; 6] = ["format", "page", "page_size", "version", "timeout", "stream"];
+pub const RESERVED: [&str; 7] = ["format", "page", "page_size", "version", "timeout", "stream", "connection_name"];
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Format {
@@ -452,9 +452,9 @@ fn int_opt(given: &[(String, String)], name: &str, default: i64, lo: i64, hi: Op
 
 /// call_options() for the plane: version, timeout and stream are Python's to handle (forward).
 pub fn call_options(given: &[(String, String)], default_page_size: i64, max_page_size: i64) -> Result<CallOptions, Outcome> {
-    for k in ["version", "timeout", "stream"] {
+    for k in ["version", "timeout", "stream", "connection_name"] {
         if given.iter().any(|(n, _)| n == k) {
-            return Err(Outcome::Forward("version, timeout or stream given"));
+            return Err(Outcome::Forward("version, timeout, stream or connection_name given"));
         }
     }
     let format = match given.iter().find(|(k, _)| k == "format") {
