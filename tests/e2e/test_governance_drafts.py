@@ -100,7 +100,7 @@ def test_plane_never_serves_a_draft(stack):
         rid = f"drafts-plain-{i}"
         r = _get(srv, "/q/who?id=2", srv.key, rid)
         assert r.status_code == 200 and r.json() == [{"id": 2, "name": "Bob"}], r.text
-        if i in (0, 29):
+        if i == 0 or i >= 25:
             served.add(_run(srv, rid)["served_by"])
     assert "plane" in served, served
     # once published, version 2 is what everyone runs, and version 1 is now an administrator's only
