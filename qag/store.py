@@ -35,7 +35,7 @@ class Conflict(Exception):
     pass
 
 
-MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
+MIGRATIONS: tuple[tuple[int, str, tuple[str | tuple[str, str], ...]], ...] = (
     (1, "initial schema", (
         """CREATE TABLE IF NOT EXISTS qag_connections (
             name TEXT PRIMARY KEY, db TEXT NOT NULL, host TEXT, port INTEGER, username TEXT,
@@ -73,6 +73,25 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
         "ALTER TABLE qag_audit ADD COLUMN seq BIGINT",
         "UPDATE qag_audit SET seq = id",
         "CREATE UNIQUE INDEX IF NOT EXISTS qag_audit_seq ON qag_audit (seq)",
+    )),
+    # A writer that does not number its change itself (a host still on the previous version during an upgrade,
+    # a script inserting its audit row) gets the next number from the store, so no watcher can miss it.
+    (3, "audit rows without a sequence number get the next one", (
+        ("pg", """CREATE OR REPLACE FUNCTION qag_audit_number() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                IF NEW.seq IS NULL THEN
+                    UPDATE qag_change_seq SET n = n + 1 WHERE id = 1 RETURNING n INTO NEW.seq;
+                END IF;
+                RETURN NEW;
+            END $$"""),
+        ("pg", "CREATE TRIGGER qag_audit_number BEFORE INSERT ON qag_audit FOR EACH ROW "
+               "EXECUTE FUNCTION qag_audit_number()"),
+        ("sqlite", """CREATE TRIGGER IF NOT EXISTS qag_audit_number AFTER INSERT ON qag_audit
+            WHEN NEW.seq IS NULL
+            BEGIN
+                UPDATE qag_change_seq SET n = n + 1 WHERE id = 1;
+                UPDATE qag_audit SET seq = (SELECT n FROM qag_change_seq WHERE id = 1) WHERE id = NEW.id;
+            END"""),
     )),
 )
 
@@ -246,6 +265,10 @@ class Store:
                 if version <= current:
                     continue
                 for stmt in statements:
+                    if isinstance(stmt, tuple):  # (engine, statement): for one engine only
+                        engine, stmt = stmt
+                        if engine != ("pg" if self.is_pg else "sqlite"):
+                            continue
                     if self.is_pg:
                         stmt = stmt.replace("INTEGER PRIMARY KEY, at", "BIGSERIAL PRIMARY KEY, at")
                     cur.execute(stmt)

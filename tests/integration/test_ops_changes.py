@@ -119,3 +119,28 @@ def test_change_numbers_commit_in_order_on_postgresql():
     assert store.changes_since(n - 1) == [(n, "api_key", "a"), (n + 1, "api_key", "a")]
     first.close()
     store.close()
+
+
+@pytest.mark.parametrize("engine", ["sqlite", "postgres"])
+def test_a_change_written_without_a_number_gets_one_and_is_applied(tmp_path, seg, engine):
+    """A writer that does not take a sequence number (a host on the previous version, a script) still reaches
+    every watcher: the store numbers the audit row itself (migration 3)."""
+    if engine == "postgres":
+        store = Store(home=str(tmp_path), database_url=pg_fresh_db("qag_ops_changes_nonumber"))
+        store.migrate()
+    else:
+        store = _store(tmp_path)
+    store.create_key("t", "a", {"queries": ["*"]}, True, None, "")
+    w = _watcher(store, seg)
+    w.catch_up()
+    ga = seg.gen("key", "a")
+
+    def old_writer(cur):  # what the code before migration 2 wrote: no seq
+        cur.execute("UPDATE qag_api_keys SET active = 0 WHERE name = 'a'")
+        cur.execute("INSERT INTO qag_audit (at, actor, action, entity, name) VALUES ('x', 'old', 'update', "
+                    "'api_key', 'a')")
+    store.run(old_writer, write=True)
+    w.catch_up(check_position=False)
+    assert seg.gen("key", "a") == ga + 1
+    assert store.changes_since(store.change_position() - 1) == [(store.change_position(), "api_key", "a")]
+    store.close()
