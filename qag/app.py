@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import re
 import secrets
@@ -17,8 +18,9 @@ from typing import Any
 import falcon
 
 from qag import __version__, formats, params as P, render
+from qag import connectors
 from qag.connectors import QueryFailed
-from qag.errors import ApiError
+from qag.errors import ApiError, DatabaseError
 from qag.metrics import Observer
 from qag.runtime import Runtime
 from qag.store import StoreUnavailable
@@ -69,6 +71,15 @@ def send_error(req, resp, err: ApiError) -> None:
     resp.set_header("Cache-Control", "no-store")
     for k, v in err.headers.items():
         resp.set_header(k, v)
+
+
+def query_failed(exc: QueryFailed, admin: bool) -> ApiError:
+    """500 query_failed: the database's own words for administrators, a fixed sentence for every other caller
+    (whatever the database said can carry a masked value: connectors S7)."""
+    if admin:
+        return ApiError(500, "query_failed", "The database rejected the statement: " + exc.db_text)
+    return ApiError(500, "query_failed",
+                    "The database rejected the statement; an administrator can see why in the run history.")
 
 
 def read_json(req, cfg, *, allow_empty: bool = False) -> dict:
@@ -203,7 +214,7 @@ class DataResource:
                 sql = plan.paged_sql(opts.page, opts.page_size)
                 cols, rows, count = connector.run(sql, args, write=False, timeout=opts.timeout,
                                                   max_rows=None if plan.page_mode != "none"
-                                                  else opts.page * opts.page_size + 1)
+                                                  else opts.page * opts.page_size + 1, state_free=plan.state_free)
             t_exec = time.perf_counter()
             query_seconds = t_exec - t_bind
             if plan.transforms is not None:
@@ -248,17 +259,16 @@ class DataResource:
                 rt.limiter.count_rows(limits, run["rows"])
         except ApiError as err:
             app.finish(req, run, err.status, err.code, t0, query_seconds, plan_hit)
+            if isinstance(err, DatabaseError) and "principal" in locals() and principal.admin:
+                raise err.for_admin() from None
             raise
         except QueryFailed as exc:
-            admin = run["key_name"] is None and "principal" in locals() and principal.admin
-            text = ("The database rejected the statement: " + exc.db_text) if admin else \
-                "The database rejected the statement; an administrator can see why in the run history."
             app.finish(req, run, 500, "query_failed", t0, query_seconds, plan_hit)
-            raise ApiError(500, "query_failed", text) from None
+            raise query_failed(exc, "principal" in locals() and principal.admin) from None
 
     def stream(self, req, resp, plan, connector, args, opts, principal, run, t0):
         """`?stream=true`: the whole result from a server-side cursor, in bounded memory."""
-        cols, batches = connector.stream(plan.sql, args, timeout=opts.timeout)
+        cols, batches = connector.stream(plan.sql, args, timeout=opts.timeout, state_free=plan.state_free)
         transforms = plan.transforms
         app = self.app
         if transforms is not None:
@@ -333,14 +343,18 @@ def call_options(given: dict, cfg) -> CallOptions:
     if t is None or t == "":
         o.timeout = None
     else:
+        # connectors S3: a positive number of seconds, clamped to [0.01, QAG_QUERY_TIMEOUT] and rounded up to
+        # whole milliseconds, so no value asks the server for "no limit"
         try:
-            o.timeout = float(t)
-            if isinstance(t, bool) or not 0 < o.timeout <= cfg.query_timeout:
+            if isinstance(t, bool) or not isinstance(t, (str, int, float)):
+                raise ValueError
+            asked = float(t)
+            if not (asked > 0 and math.isfinite(asked)):
                 raise ValueError
         except (TypeError, ValueError):
-            raise ApiError(400, "param_invalid", f"timeout must be a number of seconds above 0 and at most "
-                           f"{cfg.query_timeout:g}.", {"errors": {"timeout": f"must be in (0, {cfg.query_timeout:g}]"}}
-                           ) from None
+            raise ApiError(400, "invalid_timeout", f"timeout must be a positive number of seconds (at least "
+                           f"{connectors.MIN_TIMEOUT:g} is used, at most {cfg.query_timeout:g}).") from None
+        o.timeout = connectors.limit_ms(asked, cfg.query_timeout) / 1000
     s = given.get("stream")
     if s is None:
         o.stream = False

@@ -1,20 +1,73 @@
-"""Connectors to the data databases, with per-worker pools.
+"""Connectors to the data databases: per-worker pools of sessions, and the rules every session keeps.
 
-Read-only mode and the statement time limit are set once per pooled session, when it is opened
-(PostgreSQL through the startup packet's `options`, MySQL/MariaDB with one SET after connecting,
-SQLite with `mode=ro` and a progress-handler deadline), so a read is one round trip. Writes use
-separate read-write sessions.
+The data plane (rustplane) opens the same sessions and keeps the same rules; what it mirrors is numbered.
+
+S1 Opening a session. PostgreSQL: startup options `-c statement_timeout=<limit ms>` and, for reads,
+   `-c default_transaction_read_only=on` (plus `-c search_path=` from the connection's options),
+   `application_name=qag`, libpq `keepalives=1 keepalives_idle=10 keepalives_interval=5
+   keepalives_count=3 tcp_user_timeout=10000`; reads in autocommit. MySQL/MariaDB: one
+   `SET SESSION max_statement_time = <s>` (MySQL: `max_execution_time = <ms>`) and, for reads,
+   `SET SESSION TRANSACTION READ ONLY`; the TCP socket gets SO_KEEPALIVE, TCP_KEEPIDLE 10, TCP_KEEPINTVL 5,
+   TCP_KEEPCNT 3, TCP_USER_TIMEOUT 10000 ms. The session-level settings are the second layer; S2 is the first.
+S2 A read is one message and one answer, in a transaction that cannot become read-write.
+   PostgreSQL: `SET TRANSACTION READ ONLY; [SET LOCAL statement_timeout = <ms>; ]<statement>` as one
+   simple-query message (psycopg2 binds client-side): the server runs the pieces in one implicit
+   transaction, read-only before the statement's first snapshot (so `set_config('transaction_read_only',
+   'off', true)` inside it fails), and the answer kept is the statement's, the last. The SET LOCAL is
+   sent only when the call's limit differs from the session's. MariaDB: `SET STATEMENT tx_read_only=1,
+   max_statement_time=<s.mmm> FOR <statement>` (one statement, no multi-statement flag). MySQL (not
+   MariaDB, no SET STATEMENT): the session-level settings of S1, and a `SET SESSION max_execution_time`
+   around a call with its own limit. mysql-connector's `cursor()` pings the server (a second round trip);
+   cursors are built directly (`MySQLCursor(conn)`), so a read is one COM_QUERY.
+S3 Time limits. A call's limit is min(QAG_QUERY_TIMEOUT, max(0.01, asked)) seconds (`?timeout=` must be a
+   positive number, else 400 invalid_timeout), rounded UP to whole milliseconds (PostgreSQL
+   `statement_timeout` in ms, MariaDB `max_statement_time` in seconds with 3 decimals, MySQL
+   `max_execution_time` in ms): never 0, which both servers read as "no limit". See `limit_ms()`.
+S4 A hung database. Every call is watched: at its limit + DEADLINE_MARGIN (1.0 s) without an answer (a
+   frozen server or a cut network, when the server cannot cancel it itself), the session's socket is shut
+   down in both directions, the call answers 504 query_timeout and the session is discarded. Opening a
+   session is bounded by QAG_CONNECT_TIMEOUT (libpq `connect_timeout`, mysql-connector
+   `connection_timeout`).
+S5 No state from one caller to the next. A statement is *state-free* when `state_free()` proves it (one
+   SELECT, no INTO, no locking clause, no user-variable assignment, every function on the short list of
+   built-ins below that read nothing but their arguments); the plan carries the verdict (`Plan.state_free`,
+   plan entry field `state_free`). After a call whose statement is not proven state-free, the session
+   is reset before it goes back to the pool: PostgreSQL `DISCARD ALL` (settings back to the startup
+   packet's, advisory locks, prepared statements, temp tables, LISTEN, cursors gone); MariaDB/MySQL
+   COM_RESET_CONNECTION and S1's SET again. After every call, whatever the verdict, a session that is not
+   idle (PostgreSQL PQtransactionStatus != IDLE; MySQL in a transaction) is rolled back and reset, and a
+   PostgreSQL session whose reported `default_transaction_read_only` or `session_authorization`
+   (ParameterStatus) differs from what it opened with is discarded. A reset that fails discards.
+S6 Stale sessions. A pooled session that fails with a connectivity error (PostgreSQL: the connection is
+   closed after the error; MySQL: client errors 2006, 2013, 2055 and server errors 1053, 1927) is
+   dropped, and so is every idle session of its pool opened before the failure (after a restart they are
+   all dead); a read is then retried once on a fresh session, so the caller sees nothing. 502
+   connection_failed only when a fresh session fails too. Writes are not retried (at most once).
+S7 Errors. A statement the database rejects, the session still usable, is 500 query_failed, whatever its
+   SQLSTATE class (`could not stat file` is a statement error); an unreachable or lost database is 502
+   connection_failed; over the limit is 504 query_timeout. Scoped keys get a fixed sentence that depends
+   on nothing the database said nor on the password; the database's own first line (`db_text`, with the
+   password replaced by `********`) is for administrators only.
+S8 Privileged roles. `privileges()` reads whether the connection's role is a superuser or may read server
+   files or run programs (PostgreSQL rolsuper, pg_read_server_files, pg_write_server_files,
+   pg_execute_server_program; MariaDB/MySQL global SUPER or FILE); a key with an allow-list or masking
+   rules is refused such a connection (403 connection_privileged) unless the connection's
+   `options.allow_superuser` is true. Decided once per connection generation.
+SQLite uses `mode=ro` and a progress-handler deadline; ClickHouse `readonly=2` and `max_execution_time`.
 """
 from __future__ import annotations
 
+import json
+import math
 import os
+import socket
 import sqlite3
 import threading
 import time
-from typing import Any, Iterator
+from typing import Iterator
 
 from qag import formats
-from qag.errors import ApiError
+from qag.errors import ApiError, DatabaseError
 
 try:
     import psycopg2
@@ -26,10 +79,19 @@ except ImportError:  # pragma: no cover
 try:
     import mysql.connector as mysql_connector
     import mysql.connector.errors as mysql_errors
+    from mysql.connector.cursor import MySQLCursor
 except ImportError:  # pragma: no cover
     mysql_connector = None  # type: ignore[assignment]
 
 DIALECTS = {"postgres": "postgres", "mysql": "mysql", "sqlite": "sqlite", "clickhouse": "clickhouse"}
+
+MIN_TIMEOUT = 0.01       # S3: the shortest limit a caller may ask for, in seconds
+DEADLINE_MARGIN = 1.0    # S4: seconds past a call's limit before its socket is shut down
+KEEPALIVE = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3,
+             "tcp_user_timeout": 10000}  # S1 (PostgreSQL libpq names; the same values on MySQL sockets)
+
+SCOPED_UNREACHABLE = "Could not reach the database of connection '{}'; check that it is running and reachable, " \
+                     "then retry."
 
 
 class QueryFailed(Exception):
@@ -40,17 +102,211 @@ class QueryFailed(Exception):
         self.db_text = db_text
 
 
-def connection_failed(name: str, detail: str = "") -> ApiError:
-    msg = f"Could not reach the database of connection '{name}'"
-    if detail:
-        msg += f" ({detail})"
-    return ApiError(502, "connection_failed", msg + "; check that it is running and reachable, then retry.")
+def connection_failed(name: str, db_text: str = "") -> DatabaseError:
+    """502 with a sentence fixed by the connection's name (S7); what went wrong is `db_text`, for administrators."""
+    return DatabaseError(502, "connection_failed", SCOPED_UNREACHABLE.format(name), db_text=db_text)
 
 
 def query_timeout(seconds: float) -> ApiError:
     return ApiError(504, "query_timeout",
                     f"The statement ran longer than its time limit of {seconds:g} s and was cancelled.",
                     {"timeout": seconds})
+
+
+def limit_ms(asked: float | None, server: float) -> int:
+    """S3: a call's limit in whole milliseconds: the server's when none is asked, never below 10 ms, never above
+    the server's, rounded up (a limit of 0 means none to PostgreSQL and MariaDB)."""
+    server_ms = max(int(MIN_TIMEOUT * 1000), math.ceil(server * 1000 - 1e-9))
+    if asked is None:
+        return server_ms
+    ms = math.ceil(max(asked, MIN_TIMEOUT) * 1000 - 1e-9)
+    return max(int(MIN_TIMEOUT * 1000), min(ms, server_ms))
+
+
+# -- S5: which statements are proven to leave no state behind ---------------------------------------
+# Built-ins that compute from their arguments (and the statement's snapshot) only. Anything else — a
+# user-defined function, set_config, advisory locks, nextval, dblink... — makes the session reset after the call.
+_PURE_COMMON = frozenset("""
+abs avg bit_and bit_or bool_and bool_or ceil ceiling char_length character_length coalesce concat concat_ws count
+cume_dist date_trunc dense_rank every exp first_value floor greatest lag last_value lead least left length ln log
+lower lpad ltrim max md5 min mod nth_value ntile nullif octet_length percent_rank position power rank replace
+reverse right round row_number rpad rtrim sign sqrt stddev stddev_pop stddev_samp substr substring sum trim trunc
+upper var_pop var_samp variance
+""".split())
+PURE_FUNCTIONS = {
+    "postgres": _PURE_COMMON | frozenset("""
+age array_agg array_length array_position array_to_string btrim cardinality date_part extract format
+generate_series initcap json_agg json_build_array json_build_object jsonb_agg jsonb_build_array jsonb_build_object
+json_extract_path json_extract_path_text jsonb_extract_path jsonb_extract_path_text make_date make_interval
+make_time make_timestamp now overlay percentile_cont percentile_disc regexp_replace regexp_match split_part
+statement_timestamp string_agg string_to_array strpos timezone to_char to_date to_json to_jsonb to_number
+to_timestamp transaction_timestamp translate unnest row_to_json
+""".split()),
+    "mysql": _PURE_COMMON | frozenset("""
+adddate addtime char concat curdate current_date current_time current_timestamp curtime date date_add
+date_format date_sub datediff day dayname dayofmonth dayofweek dayofyear from_unixtime group_concat hour
+if ifnull instr json_arrayagg json_extract json_object json_objectagg json_unquote last_day lcase locate
+minute month monthname now quarter second str_to_date strcmp subdate substring_index time time_format
+timediff timestampadd timestampdiff to_days truncate ucase unix_timestamp week weekday year
+""".split()),
+}
+
+
+def state_free(sql: str, dialect: str) -> bool:
+    """S5: True only when the statement (markers neutralised) provably leaves no session state behind; False
+    when in doubt, which costs a reset after the call, never a wrong answer."""
+    try:
+        if dialect == "postgres":
+            return _pg_state_free(sql)
+        if dialect == "mysql":
+            return _mysql_state_free(sql)
+    except Exception:
+        return False
+    return dialect in ("sqlite", "clickhouse")  # no pooled session state qag does not set on every call
+
+
+def _pg_state_free(sql: str) -> bool:
+    from pglast.parser import parse_sql_json
+    stmts = json.loads(parse_sql_json(sql)).get("stmts") or []
+    if len(stmts) != 1 or "SelectStmt" not in stmts[0].get("stmt", {}):
+        return False
+    pure = PURE_FUNCTIONS["postgres"]
+    stack: list = [stmts[0]["stmt"]]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if k in ("intoClause", "lockingClause"):
+                    return False
+                if k == "FuncCall":
+                    names = [n.get("String", {}).get("sval", "") for n in v.get("funcname", [])]
+                    if not names or len(names) > 2 or len(names) == 2 and names[0] != "pg_catalog" \
+                            or names[-1] not in pure:
+                        return False
+                stack.append(v)
+        elif isinstance(node, list):
+            stack.extend(node)
+    return True
+
+
+def _mysql_state_free(sql: str) -> bool:
+    import sqlglot
+    from sqlglot import exp
+    trees = [t for t in sqlglot.parse(sql, read="mysql") if t is not None]
+    if len(trees) != 1 or not isinstance(trees[0], exp.Query):
+        return False
+    pure = PURE_FUNCTIONS["mysql"]
+    for node in trees[0].walk():
+        if isinstance(node, (exp.PropertyEQ, exp.Into, exp.Lock, exp.Parameter, exp.SessionParameter)):
+            return False
+        if isinstance(node, exp.Select) and (node.args.get("into") or node.args.get("locks")):
+            return False
+        if isinstance(node, exp.Func) and not isinstance(node, (exp.Cast, exp.TryCast, exp.Case, exp.If)):
+            name = node.name if isinstance(node, exp.Anonymous) else node.sql_name()
+            if name.lower() not in pure:
+                return False
+    return True
+
+
+# -- S4: the watchdog -------------------------------------------------------------------------------
+class _Watchdog:
+    """One thread per process: a call still waiting at its deadline gets its session's socket shut down, so the
+    blocked read returns and the call answers 504. Arming and disarming are a dict write under a lock."""
+
+    TICK = 0.1
+
+    def __init__(self):
+        self._calls: dict[int, tuple[float, "_Session"]] = {}
+        self._lock = threading.Lock()
+        self._pid = 0
+
+    def arm(self, sess: "_Session", seconds: float) -> None:
+        if self._pid != os.getpid():
+            self._start()
+        with self._lock:
+            self._calls[id(sess)] = (time.monotonic() + seconds, sess)
+
+    def disarm(self, sess: "_Session") -> None:
+        with self._lock:
+            self._calls.pop(id(sess), None)
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._pid == os.getpid():
+                return
+            self._calls = {}
+            self._pid = os.getpid()
+            threading.Thread(target=self._loop, name="qag-db-watchdog", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(self.TICK)
+            now = time.monotonic()
+            with self._lock:
+                late = [s for d, s in self._calls.values() if d <= now]
+                for s in late:
+                    del self._calls[id(s)]
+                    s.fired = True
+                    s.cut()
+
+
+WATCHDOG = _Watchdog()
+
+
+class _Session:
+    """One pooled database session: the driver's connection, when it was opened (S6), and what S4/S5 need."""
+
+    __slots__ = ("auth", "conn", "fired", "opened_at", "own_sock", "sock", "write")
+
+    def __init__(self, conn, write: bool, sock=None, own_sock: bool = False):
+        self.conn = conn
+        self.write = write
+        self.opened_at = time.monotonic()
+        self.sock = sock          # a socket object on the session's connection, for cut()
+        self.fired = False        # the watchdog cut this session
+        self.own_sock = own_sock  # sock is a dup of the driver's descriptor, closed with the session
+        self.auth = None          # PostgreSQL: session_authorization at open (S5)
+
+    def cut(self) -> None:
+        try:
+            if self.sock is not None:
+                self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        try:
+            self.conn.close()
+        except Exception:
+            pass
+        if self.own_sock:
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+
+
+class _Stale(Exception):
+    """The session's connection is gone (S6); `text` is the driver's first line."""
+
+    def __init__(self, text: str = ""):
+        super().__init__(text)
+        self.text = text
+        self.at = time.monotonic()
+
+
+def _keepalive(sock) -> None:
+    """S1's keepalives on a TCP socket (MySQL; libpq sets PostgreSQL's itself)."""
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE["keepalives_idle"])
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE["keepalives_interval"])
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE["keepalives_count"])
+        sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, "TCP_USER_TIMEOUT", 18), KEEPALIVE["tcp_user_timeout"])
+    except OSError:
+        pass
 
 
 class Connector:
@@ -65,36 +321,49 @@ class Connector:
         self.connect_timeout = connect_timeout
         self.pool_size = pool_size
         self.home = home
-        self._idle: dict[bool, list[Any]] = {False: [], True: []}
+        self._idle: dict[bool, list[_Session]] = {False: [], True: []}
         self._lock = threading.Lock()
         self.in_use = 0
         self.opened = 0
+        self.resets = 0         # sessions reset after a call not proven state-free (S5)
+        self.stale_dropped = 0  # sessions dropped as stale, idle ones opened before a failure included (S6)
         self.closed = False
+        self._privileges: dict | None = None
 
     # -- pool ----------------------------------------------------------------------------
-    def acquire(self, write: bool):
+    def acquire(self, write: bool) -> tuple[_Session, bool]:
         with self._lock:
             idle = self._idle[write]
-            conn = idle.pop() if idle else None
+            sess = idle.pop() if idle else None
             self.in_use += 1
-        if conn is not None:
-            return conn, True
+        if sess is not None:
+            return sess, True
         try:
-            conn = self._open(write)
+            sess = self._open(write)
         except BaseException:
             with self._lock:
                 self.in_use -= 1
             raise
         self.opened += 1
-        return conn, False
+        return sess, False
 
-    def release(self, conn, write: bool, broken: bool = False) -> None:
+    def release(self, sess: _Session, write: bool, broken: bool = False) -> None:
         with self._lock:
             self.in_use -= 1
             if not broken and not self.closed and len(self._idle[write]) < self.pool_size:
-                self._idle[write].append(conn)
+                self._idle[write].append(sess)
                 return
-        self._close(conn)
+        sess.close()
+
+    def _drop_idle_before(self, t: float) -> None:
+        """S6: after a stale session, every idle one opened before the failure goes too."""
+        with self._lock:
+            old = [s for w in (False, True) for s in self._idle[w] if s.opened_at <= t]
+            for w in (False, True):
+                self._idle[w] = [s for s in self._idle[w] if s.opened_at > t]
+            self.stale_dropped += len(old)
+        for s in old:
+            s.close()
 
     def idle_count(self) -> int:
         return len(self._idle[False]) + len(self._idle[True])
@@ -102,50 +371,78 @@ class Connector:
     def close(self) -> None:
         with self._lock:
             self.closed = True
-            conns = self._idle[False] + self._idle[True]
+            sessions = self._idle[False] + self._idle[True]
             self._idle = {False: [], True: []}
-        for c in conns:
-            self._close(c)
+        for s in sessions:
+            s.close()
 
-    def _close(self, conn) -> None:
-        try:
-            conn.close()
-        except Exception:
-            pass
+    def limit(self, asked: float | None) -> float:
+        """S3: the call's limit in seconds (whole milliseconds)."""
+        return limit_ms(asked, self.timeout) / 1000
 
     # -- what subclasses provide -------------------------------------------------------------
-    def _open(self, write: bool):
+    def _open(self, write: bool) -> _Session:
         raise NotImplementedError
+
+    def _run(self, sess: _Session, sql: str, args: tuple, *, write: bool, limit: float, max_rows: int | None):
+        raise NotImplementedError
+
+    def _reset(self, sess: _Session, clean: bool) -> bool:
+        """S5: bring the session back to how it was opened; False when it must be discarded instead."""
+        return True
 
     def default_schema(self) -> str:
         raise NotImplementedError
 
-    def run(self, sql: str, args: tuple, *, write: bool, timeout: float | None, max_rows: int | None
-            ) -> tuple[list[str], list[tuple], int]:
-        """Execute one statement; (columns, rows, rowcount). Retries a read once on a stale pooled session."""
+    def run(self, sql: str, args: tuple, *, write: bool, timeout: float | None, max_rows: int | None,
+            state_free: bool = False) -> tuple[list[str], list[tuple], int]:
+        """Execute one statement; (columns, rows, rowcount). `state_free` is the plan's S5 verdict. A read on a
+        stale pooled session is retried on a fresh one (S6)."""
+        limit = self.limit(timeout)
         for attempt in (0, 1):
-            conn, reused = self.acquire(write)
-            broken = False
+            sess, reused = self.acquire(write)
+            ok = False
             try:
-                return self._run(conn, sql, args, write=write, timeout=timeout, max_rows=max_rows)
-            except _Stale:
-                broken = True
+                WATCHDOG.arm(sess, limit + DEADLINE_MARGIN)
+                try:
+                    out = self._run(sess, sql, args, write=write, limit=limit, max_rows=max_rows)
+                finally:
+                    WATCHDOG.disarm(sess)
+                ok = self._reset(sess, state_free)
+                return out
+            except _Stale as st:
+                if sess.fired:
+                    raise query_timeout(limit) from None
+                self._drop_idle_before(st.at)
                 if attempt == 0 and reused and not write:
                     continue
-                raise connection_failed(self.name, "the connection was lost") from None
-            except BaseException:
-                broken = True
+                raise connection_failed(self.name, st.text) from None
+            except QueryFailed:
+                ok = not sess.fired and self._reset(sess, state_free)
+                raise
+            except ApiError as err:
+                ok = err.code == "query_timeout" and not sess.fired and self._reset(sess, state_free)
                 raise
             finally:
-                self.release(conn, write, broken)
-        raise connection_failed(self.name)
+                self.release(sess, write, broken=not ok)
+        raise connection_failed(self.name)  # pragma: no cover (the loop returns or raises)
 
-    def stream(self, sql: str, args: tuple, *, timeout: float | None, batch: int = 500
+    def stream(self, sql: str, args: tuple, *, timeout: float | None, batch: int = 500, state_free: bool = False
                ) -> tuple[list[str], Iterator[list[tuple]]]:
         raise NotImplementedError
 
     def introspect(self) -> dict[tuple[str, str], list[str]]:
         raise NotImplementedError
+
+    def privileges(self) -> dict:
+        """S8: {"superuser": bool, "server_files": bool, "privileged": bool, "detail": [...]}, read once per
+        connector (a connector lives for one connection generation)."""
+        if self._privileges is None:
+            self._privileges = self._read_privileges()
+        return self._privileges
+
+    def _read_privileges(self) -> dict:
+        return {"superuser": False, "server_files": False, "privileged": False, "detail": []}
 
     def user_functions(self) -> set[tuple[str, str]]:
         """(schema, name) of the functions defined in the database rather than built in: their bodies may read
@@ -160,10 +457,6 @@ class Connector:
         return {}
 
 
-class _Stale(Exception):
-    pass
-
-
 # ---------------------------------------------------------------------------------------------
 class PostgresConnector(Connector):
     dialect = "postgres"
@@ -175,12 +468,11 @@ class PostgresConnector(Connector):
             return str(sp).split(",")[0].strip().strip('"')
         return "public"
 
-    def _open(self, write: bool):
+    def _open(self, write: bool) -> _Session:
         if psycopg2 is None:
             raise ApiError(500, "driver_missing", "psycopg2 is not installed: pip install 'qag[postgres]'")
         opts = self.row.get("options") or {}
-        ms = int(self.timeout * 1000)
-        pg_opts = [f"-c statement_timeout={ms}"]
+        pg_opts = [f"-c statement_timeout={limit_ms(None, self.timeout)}"]
         if not write:
             pg_opts.append("-c default_transaction_read_only=on")
         sp = opts.get("schema") or opts.get("search_path")
@@ -192,93 +484,148 @@ class PostgresConnector(Connector):
                   options=" ".join(pg_opts), application_name="qag")
         if opts.get("sslmode"):
             kw["sslmode"] = opts["sslmode"]
+        if not str(kw["host"]).startswith("/"):
+            kw.update(KEEPALIVE)
         try:
             conn = psycopg2.connect(**{k: v for k, v in kw.items() if v is not None})
         except psycopg2.OperationalError as exc:
             raise connection_failed(self.name, _first_line(exc, self.password)) from None
-        conn.autocommit = not write  # a read is one message and one answer; a write is its own transaction
-        return conn
+        conn.autocommit = not write  # a read is one message and one answer (S2); a write is its own transaction
+        sess = _Session(conn, write, socket.socket(fileno=os.dup(conn.fileno())), own_sock=True)
+        sess.auth = conn.get_parameter_status("session_authorization")
+        return sess
 
-    def _run(self, conn, sql, args, *, write, timeout, max_rows):
+    def _run(self, sess, sql, args, *, write, limit, max_rows):
+        conn = sess.conn
+        ms = round(limit * 1000)
+        own = ms != limit_ms(None, self.timeout)
+        if write:
+            text = f"SET LOCAL statement_timeout = {ms}; {sql}" if own else sql
+        else:
+            text = (f"SET TRANSACTION READ ONLY; SET LOCAL statement_timeout = {ms}; {sql}" if own
+                    else f"SET TRANSACTION READ ONLY; {sql}")
         cur = conn.cursor()
         try:
-            if timeout is not None and timeout < self.timeout:
-                cur.execute("SET statement_timeout = %s", (int(timeout * 1000),))
-            try:
-                cur.execute(sql, args)
-                if cur.description is None:
-                    cols, rows = [], []
-                else:
-                    cols = formats.pg_columns(cur.description)
-                    rows = cur.fetchall() if max_rows is None else cur.fetchmany(max_rows)
-                count = cur.rowcount
-                if write:
-                    conn.commit()
-            except psycopg2.errors.QueryCanceled:
-                _rollback(conn)
-                raise query_timeout(timeout if timeout is not None and timeout < self.timeout else self.timeout) \
-                    from None
-            except (psycopg2.OperationalError, psycopg2.InterfaceError) as exc:
-                if conn.closed:
-                    raise _Stale() from None
-                raise connection_failed(self.name, _first_line(exc, self.password)) from None
-            except psycopg2.Error as exc:
-                _rollback(conn)
-                raise QueryFailed(_first_line(exc, self.password)) from None
-            finally:
-                if timeout is not None and timeout < self.timeout and not conn.closed:
-                    try:
-                        _rollback(conn)
-                        cur.execute("SET statement_timeout = %s", (int(self.timeout * 1000),))
-                    except Exception:
-                        pass
+            cur.execute(text, args)
+            if cur.description is None:
+                cols, rows = [], []
+            else:
+                cols = formats.pg_columns(cur.description)
+                rows = cur.fetchall() if max_rows is None else cur.fetchmany(max_rows)
+            count = cur.rowcount
+            if write:
+                conn.commit()
             return cols, rows, count
+        except psycopg2.Error as exc:
+            self._translate(sess, exc, limit)
+            raise
         finally:
             try:
                 cur.close()
             except Exception:
                 pass
 
-    def stream(self, sql, args, *, timeout, batch=500):
-        conn, _ = self.acquire(False)
-        conn.autocommit = False  # a named (server-side) cursor lives in a transaction
+    def _translate(self, sess, exc, limit):
+        """S7: what a driver error means; raises."""
+        conn = sess.conn
+        if sess.fired or conn.closed:
+            raise _Stale(_first_line(exc, self.password)) from None
+        _rollback(conn)
+        if isinstance(exc, psycopg2.errors.QueryCanceled):
+            raise query_timeout(limit) from None
+        raise QueryFailed(_first_line(exc, self.password)) from None
+
+    def _reset(self, sess, clean):
+        conn = sess.conn
+        if conn.closed:
+            return False
+        try:
+            if conn.info.transaction_status != psycopg2.extensions.TRANSACTION_STATUS_IDLE:
+                conn.rollback()
+                clean = False
+            if not sess.write and conn.get_parameter_status("default_transaction_read_only") != "on" \
+                    or conn.get_parameter_status("session_authorization") != sess.auth:
+                return False
+            if conn.notifies:
+                del conn.notifies[:]
+                clean = False
+            if not clean:
+                ac = conn.autocommit
+                conn.autocommit = True
+                with conn.cursor() as cur:
+                    cur.execute("DISCARD ALL")
+                conn.autocommit = ac
+                self.resets += 1
+            return True
+        except Exception:
+            return False
+
+    def stream(self, sql, args, *, timeout, batch=500, state_free=False):
+        limit = self.limit(timeout)
+        sess, _ = self.acquire(False)
+        conn = sess.conn
+        conn.autocommit = False  # a named (server-side) cursor lives in a transaction: BEGIN READ ONLY (S2)
+        conn.readonly = True
         cur = conn.cursor(name="qag_stream")
         cur.itersize = batch
         try:
-            cur.execute(sql, args)
-            first = cur.fetchmany(batch)
+            WATCHDOG.arm(sess, limit + DEADLINE_MARGIN)
+            try:
+                cur.execute(sql, args)
+                first = cur.fetchmany(batch)
+            finally:
+                WATCHDOG.disarm(sess)
             cols = formats.pg_columns(cur.description) if cur.description else []
         except BaseException as exc:
-            _rollback(conn)
-            conn.autocommit = True
-            self.release(conn, False, broken=bool(conn.closed))
-            self._translate(exc)
-            raise
+            err: BaseException = exc
+            broken = True
+            if isinstance(exc, psycopg2.Error):
+                try:
+                    self._translate(sess, exc, limit)
+                except _Stale as st:
+                    err = query_timeout(limit) if sess.fired else connection_failed(self.name, st.text)
+                except (QueryFailed, ApiError) as e:
+                    err = e
+                    broken = not self._stream_done(sess, state_free)
+            self.release(sess, False, broken=broken)
+            if err is exc:
+                raise
+            raise err from None
 
         def gen():
-            broken = False
+            ok = False
             try:
-                yield from _batches(cur, first, batch)
-            except BaseException:
-                broken = True
-                raise
+                yield from _batches(cur, first, batch, sess, limit)
+                ok = True
             finally:
                 try:
                     cur.close()
-                    _rollback(conn)
-                    conn.autocommit = True
                 except Exception:
-                    broken = True
-                self.release(conn, False, broken or bool(conn.closed))
+                    ok = False
+                self.release(sess, False, broken=not (ok and self._stream_done(sess, state_free)))
         return cols, gen()
 
-    def _translate(self, exc):
-        if isinstance(exc, psycopg2.errors.QueryCanceled):
-            raise query_timeout(self.timeout) from None
-        if isinstance(exc, (psycopg2.OperationalError, psycopg2.InterfaceError)):
-            raise connection_failed(self.name, _first_line(exc, self.password)) from None
-        if isinstance(exc, psycopg2.Error):
-            raise QueryFailed(_first_line(exc, self.password)) from None
+    def _stream_done(self, sess, state_free) -> bool:
+        conn = sess.conn
+        try:
+            _rollback(conn)
+            conn.readonly = None
+            conn.autocommit = True
+        except Exception:
+            return False
+        return self._reset(sess, state_free)
+
+    def _read_privileges(self):
+        _, rows, _ = self.run(
+            "SELECT r.rolsuper, pg_has_role(current_user, 'pg_read_server_files', 'MEMBER'), "
+            "pg_has_role(current_user, 'pg_write_server_files', 'MEMBER'), "
+            "pg_has_role(current_user, 'pg_execute_server_program', 'MEMBER') "
+            "FROM pg_roles r WHERE r.rolname = current_user", (), write=False, timeout=None, max_rows=None)
+        sup, rd, wr, ex = rows[0] if rows else (False, False, False, False)
+        detail = [n for n, v in (("rolsuper", sup), ("pg_read_server_files", rd), ("pg_write_server_files", wr),
+                                 ("pg_execute_server_program", ex)) if v]
+        return {"superuser": bool(sup), "server_files": bool(rd or wr or ex), "privileged": bool(detail),
+                "detail": detail}
 
     def introspect(self):
         cols, rows, _ = self.run(
@@ -310,13 +657,25 @@ class PostgresConnector(Connector):
 
 
 # ---------------------------------------------------------------------------------------------
+_MY_TIMEOUT = (1969, 3024, 1317)              # MariaDB max_statement_time, MySQL max_execution_time, interrupted
+_MY_LOST = (2006, 2013, 2055, 1053, 1927)     # gone away, lost, lost at..., server shutdown, connection killed
+
+
 class MySQLConnector(Connector):
     dialect = "mysql"
+    mariadb = True
 
     def default_schema(self) -> str:
         return self.row.get("database") or ""
 
-    def _open(self, write: bool):
+    def _session_sql(self, write: bool) -> str:
+        """S1: the one SET of a new session, also sent again after a reset (S5)."""
+        ms = limit_ms(None, self.timeout)
+        if self.mariadb:
+            return f"SET SESSION max_statement_time = {ms / 1000:.3f}" + ("" if write else ", tx_read_only = 1")
+        return f"SET SESSION max_execution_time = {ms}" + ("" if write else ", transaction_read_only = 1")
+
+    def _open(self, write: bool) -> _Session:
         if mysql_connector is None:
             raise ApiError(500, "driver_missing", "mysql-connector-python is not installed: pip install 'qag[mysql]'")
         try:
@@ -325,33 +684,33 @@ class MySQLConnector(Connector):
                 user=self.row.get("user") or "root", password=self.password or "",
                 database=self.row.get("database") or None, connection_timeout=max(1, int(round(self.connect_timeout))),
                 autocommit=not write, charset="utf8mb4", use_unicode=True)
+            self.mariadb = "mariadb" in (conn.server_info or "").lower()
+            conn._init_command = self._session_sql(write)  # what cmd_reset_connection's _post_connection re-sends
+            sock = getattr(conn._socket, "sock", None)
+            _keepalive(sock)
+            sess = _Session(conn, write, sock)
+            cur = MySQLCursor(conn)
+            cur.execute(conn._init_command)
+            cur.close()
         except mysql_errors.Error as exc:
             raise connection_failed(self.name, _first_line(exc, self.password)) from None
-        version = conn.get_server_info() or ""
-        self.mariadb = "mariadb" in version.lower()
-        cur = conn.cursor()
-        # One SET per pooled session: read-only and the time limit (MariaDB: max_statement_time in s;
-        # MySQL: max_execution_time in ms, SELECT only).
-        parts = []
-        if self.mariadb:
-            parts.append(f"max_statement_time = {self.timeout:.3f}")
-        else:
-            parts.append(f"max_execution_time = {int(self.timeout * 1000)}")
-        cur.execute("SET SESSION " + ", ".join(parts))
-        if not write:
-            cur.execute("SET SESSION TRANSACTION READ ONLY")
-        cur.close()
-        return conn
+        return sess
 
-    def _run(self, conn, sql, args, *, write, timeout, max_rows):
-        cur = conn.cursor()
-        custom = timeout is not None and timeout < self.timeout
+    def _run(self, sess, sql, args, *, write, limit, max_rows):
+        conn = sess.conn
+        ms = round(limit * 1000)
+        own = ms != limit_ms(None, self.timeout)
+        if self.mariadb:  # S2: the statement's own read-only transaction and limit, in the statement
+            text = (f"SET STATEMENT max_statement_time={ms / 1000:.3f} FOR {sql}" if write else
+                    f"SET STATEMENT tx_read_only=1, max_statement_time={ms / 1000:.3f} FOR {sql}")
+        else:
+            text = sql
+        cur = MySQLCursor(conn)  # not conn.cursor(): that pings the server first
         try:
-            if custom:
-                cur.execute(f"SET SESSION max_statement_time = {timeout:.3f}" if self.mariadb
-                            else f"SET SESSION max_execution_time = {int(timeout * 1000)}")
             try:
-                cur.execute(sql, args or None)
+                if own and not self.mariadb:
+                    cur.execute(f"SET SESSION max_execution_time = {ms}")
+                cur.execute(text, args or None)
                 if cur.description is None:
                     cols, rows = [], []
                 else:
@@ -362,60 +721,97 @@ class MySQLConnector(Connector):
                 count = cur.rowcount
                 if write:
                     conn.commit()
-            except mysql_errors.Error as exc:
-                errno = getattr(exc, "errno", None)
-                if errno in (1969, 3024, 1317):  # MariaDB max_statement_time, MySQL max_execution_time, interrupted
-                    raise query_timeout(timeout if custom else self.timeout) from None
-                if errno in (2006, 2013, 2055) or isinstance(exc, mysql_errors.OperationalError) and errno and errno >= 2000:
-                    raise _Stale() from None
-                try:
-                    conn.rollback()
-                except Exception:
-                    pass
-                raise QueryFailed(_first_line(exc, self.password)) from None
+                return cols, rows, count
             finally:
-                if custom:
+                if own and not self.mariadb and not sess.fired:
                     try:
-                        cur.execute(f"SET SESSION max_statement_time = {self.timeout:.3f}" if self.mariadb
-                                    else f"SET SESSION max_execution_time = {int(self.timeout * 1000)}")
+                        cur.execute(f"SET SESSION max_execution_time = {limit_ms(None, self.timeout)}")
                     except Exception:
                         pass
-            return cols, rows, count
+        except mysql_errors.Error as exc:
+            self._translate(sess, exc, limit)
+            raise
         finally:
             try:
                 cur.close()
             except Exception:
                 pass
 
-    def stream(self, sql, args, *, timeout, batch=500):
-        conn, _ = self.acquire(False)
-        cur = conn.cursor(buffered=False)
+    def _translate(self, sess, exc, limit):
+        errno = getattr(exc, "errno", None)
+        if sess.fired or errno in _MY_LOST or errno and errno >= 2000 or errno is None and isinstance(
+                exc, (mysql_errors.InterfaceError, mysql_errors.OperationalError)):
+            raise _Stale(_first_line(exc, self.password)) from None
+        if errno in _MY_TIMEOUT:
+            raise query_timeout(limit) from None
         try:
-            cur.execute(sql, args or None)
-            cols = formats.mysql_columns(cur.description) if cur.description else []
-            first = cur.fetchmany(batch)
+            sess.conn.rollback()
+        except Exception:
+            pass
+        raise QueryFailed(_first_line(exc, self.password)) from None
+
+    def _reset(self, sess, clean):
+        conn = sess.conn
+        try:
+            if conn.unread_result:
+                return False
+            if conn.in_transaction:
+                conn.rollback()
+                clean = False
+            if not clean:
+                if not conn.cmd_reset_connection():  # S5: COM_RESET_CONNECTION, then S1's SET (init_command)
+                    return False
+                self.resets += 1
+            return True
+        except Exception:
+            return False
+
+    def stream(self, sql, args, *, timeout, batch=500, state_free=False):
+        limit = self.limit(timeout)
+        sess, _ = self.acquire(False)
+        conn = sess.conn
+        cur = MySQLCursor(conn)  # unbuffered
+        ms = round(limit * 1000)
+        text = f"SET STATEMENT tx_read_only=1, max_statement_time={ms / 1000:.3f} FOR {sql}" if self.mariadb else sql
+        try:
+            WATCHDOG.arm(sess, limit + DEADLINE_MARGIN)
+            try:
+                cur.execute(text, args or None)
+                cols = formats.mysql_columns(cur.description) if cur.description else []
+                first = cur.fetchmany(batch)
+            finally:
+                WATCHDOG.disarm(sess)
         except BaseException as exc:
-            self.release(conn, False, broken=True)
+            self.release(sess, False, broken=True)
             if isinstance(exc, mysql_errors.Error):
-                if getattr(exc, "errno", None) in (1969, 3024):
-                    raise query_timeout(self.timeout) from None
-                raise QueryFailed(_first_line(exc, self.password)) from None
+                try:
+                    self._translate(sess, exc, limit)
+                except _Stale as st:
+                    raise (query_timeout(limit) if sess.fired else connection_failed(self.name, st.text)) from None
             raise
 
         def gen():
-            broken = False
+            ok = False
             try:
-                yield from _batches(cur, first, batch)
-            except BaseException:
-                broken = True
-                raise
+                yield from _batches(cur, first, batch, sess, limit)
+                ok = True
             finally:
                 try:
                     cur.close()
                 except Exception:
-                    broken = True
-                self.release(conn, False, broken)
+                    ok = False
+                self.release(sess, False, broken=not (ok and self._reset(sess, state_free)))
         return cols, gen()
+
+    def _read_privileges(self):
+        _, rows, _ = self.run(
+            "SELECT PRIVILEGE_TYPE FROM information_schema.USER_PRIVILEGES WHERE GRANTEE = CONCAT('''', "
+            "SUBSTRING_INDEX(CURRENT_USER(), '@', 1), '''@''', SUBSTRING_INDEX(CURRENT_USER(), '@', -1), '''')",
+            (), write=False, timeout=None, max_rows=None)
+        privs = {str(p).upper() for (p,) in rows}
+        detail = sorted(privs & {"SUPER", "FILE"})
+        return {"superuser": "SUPER" in privs, "server_files": "FILE" in privs, "privileged": bool(detail),
+                "detail": detail}
 
     def introspect(self):
         cols, rows, _ = self.run(
@@ -462,7 +858,7 @@ class SQLiteConnector(Connector):
             path = os.path.join(self.home, path)
         return path
 
-    def _open(self, write: bool):
+    def _open(self, write: bool) -> _Session:
         path = self._path()
         if not path or not os.path.exists(path):
             raise connection_failed(self.name, "the database file does not exist")
@@ -472,10 +868,10 @@ class SQLiteConnector(Connector):
                                    isolation_level=None, timeout=self.connect_timeout)
         except sqlite3.Error as exc:
             raise connection_failed(self.name, str(exc)) from None
-        return conn
+        return _Session(conn, write)
 
-    def _run(self, conn, sql, args, *, write, timeout, max_rows):
-        limit = timeout if timeout is not None and timeout < self.timeout else self.timeout
+    def _run(self, sess, sql, args, *, write, limit, max_rows):
+        conn = sess.conn
         deadline = time.monotonic() + limit
         conn.set_progress_handler(lambda: 1 if time.monotonic() > deadline else 0, 2000)
         cur = conn.cursor()
@@ -506,9 +902,11 @@ class SQLiteConnector(Connector):
             conn.set_progress_handler(None, 0)
             cur.close()
 
-    def stream(self, sql, args, *, timeout, batch=500):
-        conn, _ = self.acquire(False)
-        deadline = time.monotonic() + self.timeout
+    def stream(self, sql, args, *, timeout, batch=500, state_free=False):
+        limit = self.limit(timeout)
+        sess, _ = self.acquire(False)
+        conn = sess.conn
+        deadline = time.monotonic() + limit
         conn.set_progress_handler(lambda: 1 if time.monotonic() > deadline else 0, 2000)
         cur = conn.cursor()
         try:
@@ -517,9 +915,9 @@ class SQLiteConnector(Connector):
             first = cur.fetchmany(batch)
         except sqlite3.Error as exc:
             conn.set_progress_handler(None, 0)
-            self.release(conn, False)
+            self.release(sess, False)
             if "interrupted" in str(exc):
-                raise query_timeout(self.timeout) from None
+                raise query_timeout(limit) from None
             raise QueryFailed(str(exc)) from None
 
         def gen():
@@ -528,7 +926,7 @@ class SQLiteConnector(Connector):
             finally:
                 cur.close()
                 conn.set_progress_handler(None, 0)
-                self.release(conn, False)
+                self.release(sess, False)
         return cols, gen()
 
     def introspect(self):
@@ -556,7 +954,7 @@ class ClickHouseConnector(Connector):
     def default_schema(self) -> str:
         return self.row.get("database") or "default"
 
-    def _open(self, write: bool):
+    def _open(self, write: bool) -> _Session:
         try:
             import clickhouse_connect
         except ImportError:
@@ -568,21 +966,23 @@ class ClickHouseConnector(Connector):
             settings["readonly"] = 2
         try:
             if host.startswith("chdb:"):
-                return clickhouse_connect.get_client(dsn="chdb://" + host[5:], database=self.default_schema())
-            return clickhouse_connect.get_client(host=host, port=int(self.row.get("port") or 8123),
-                                                 username=self.row.get("user") or "default",
-                                                 password=self.password or "", database=self.default_schema(),
-                                                 connect_timeout=self.connect_timeout, settings=settings)
+                return _Session(clickhouse_connect.get_client(dsn="chdb://" + host[5:], database=self.default_schema()),
+                                write)
+            return _Session(clickhouse_connect.get_client(host=host, port=int(self.row.get("port") or 8123),
+                                                          username=self.row.get("user") or "default",
+                                                          password=self.password or "", database=self.default_schema(),
+                                                          connect_timeout=self.connect_timeout, settings=settings),
+                            write)
         except Exception as exc:
             raise connection_failed(self.name, _first_line(exc, self.password)) from None
 
-    def _run(self, conn, sql, args, *, write, timeout, max_rows):
+    def _run(self, sess, sql, args, *, write, limit, max_rows):
         try:
             if args:
                 sql = sql % tuple(_ch_literal(a) for a in args)
             else:
                 sql = sql.replace("%%", "%")
-            res = conn.query(sql)
+            res = sess.conn.query(sql)
             cols = list(res.column_names)
             rows = [tuple(r) for r in res.result_rows]
             if max_rows is not None:
@@ -596,7 +996,7 @@ class ClickHouseConnector(Connector):
                 raise query_timeout(self.timeout) from None
             raise QueryFailed(text) from None
 
-    def stream(self, sql, args, *, timeout, batch=500):
+    def stream(self, sql, args, *, timeout, batch=500, state_free=False):
         cols, rows, _ = self.run(sql, args, write=False, timeout=timeout, max_rows=None)
 
         def gen():
@@ -637,11 +1037,18 @@ def make(row: dict, password: str | None, cfg) -> Connector:
                pool_size=cfg.pool_size, home=cfg.home)
 
 
-def _batches(cur, first: list, batch: int):
-    """A streamed result in batches: the one fetched before the response started, then the rest."""
+def _batches(cur, first: list, batch: int, sess: _Session | None = None, limit: float = 0.0):
+    """A streamed result in batches: the one fetched before the response started, then the rest (each fetch
+    watched, S4)."""
     yield first
     while True:
-        chunk = cur.fetchmany(batch)
+        if sess is not None:
+            WATCHDOG.arm(sess, limit + DEADLINE_MARGIN)
+        try:
+            chunk = cur.fetchmany(batch)
+        finally:
+            if sess is not None:
+                WATCHDOG.disarm(sess)
         if not chunk:
             return
         yield chunk

@@ -26,3 +26,18 @@ def bad_request(code: str, message: str, **extra) -> ApiError:
 
 def not_found(code: str, message: str) -> ApiError:
     return ApiError(404, code, message)
+
+
+class DatabaseError(ApiError):
+    """An ApiError the database caused (502 connection_failed...): `message` is a fixed sentence for any caller;
+    `db_text`, what the database or driver said, is for administrators only."""
+
+    def __init__(self, status: int, code: str, message: str, extra: dict | None = None, *, db_text: str = ""):
+        super().__init__(status, code, message, extra)
+        self.db_text = db_text
+
+    def for_admin(self) -> ApiError:
+        if not self.db_text:
+            return self
+        return ApiError(self.status, self.code, f"{self.message} The database said: {self.db_text}", self.extra,
+                        self.headers)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from qag import params as P
+from qag import connectors, params as P
 from qag.errors import ApiError
 
 try:
@@ -22,7 +22,8 @@ SQLGLOT_DIALECT = {"postgres": "postgres", "mysql": "mysql", "sqlite": "sqlite",
 
 class Plan:
     __slots__ = ("query", "version", "connection", "dialect", "sql", "arg_names", "specs", "is_write", "write_ops",
-                 "transforms", "names", "tables", "page_mode", "gens", "cache_ttl", "key_name", "unknown")
+                 "transforms", "names", "tables", "page_mode", "gens", "cache_ttl", "key_name", "unknown",
+                 "state_free")
 
     def bind_args(self, values: dict[str, Any]) -> tuple:
         return tuple(values[n] for n in self.arg_names)
@@ -139,6 +140,8 @@ def build(*, key: dict | None, query: dict, version: dict, connection: dict, con
         plan.tables = gp.tables
         plan.unknown = getattr(gp, "unknown", ())
     plan.page_mode = "none" if plan.is_write else page_mode(sql, dialect)
+    # connectors S5: a statement not proven to leave no session state gets its session reset after each call
+    plan.state_free = not plan.is_write and connectors.state_free(neutral, dialect)
     return plan
 
 
