@@ -328,7 +328,6 @@ class Connector:
         self.resets = 0         # sessions reset after a call not proven state-free (S5)
         self.stale_dropped = 0  # sessions dropped as stale, idle ones opened before a failure included (S6)
         self.closed = False
-        self._privileges: dict | None = None
 
     # -- pool ----------------------------------------------------------------------------
     def acquire(self, write: bool) -> tuple[_Session, bool]:
@@ -413,6 +412,7 @@ class Connector:
             except _Stale as st:
                 if sess.fired:
                     raise query_timeout(limit) from None
+                self.stale_dropped += 1
                 self._drop_idle_before(st.at)
                 if attempt == 0 and reused and not write:
                     continue
@@ -435,11 +435,9 @@ class Connector:
         raise NotImplementedError
 
     def privileges(self) -> dict:
-        """S8: {"superuser": bool, "server_files": bool, "privileged": bool, "detail": [...]}, read once per
-        connector (a connector lives for one connection generation)."""
-        if self._privileges is None:
-            self._privileges = self._read_privileges()
-        return self._privileges
+        """S8: {"superuser": bool, "server_files": bool, "privileged": bool, "detail": [...]} of the role this
+        connection logs in as, read from the database (the runtime keeps it per connection generation)."""
+        return self._read_privileges()
 
     def _read_privileges(self) -> dict:
         return {"superuser": False, "server_files": False, "privileged": False, "detail": []}
@@ -661,6 +659,11 @@ _MY_TIMEOUT = (1969, 3024, 1317)              # MariaDB max_statement_time, MySQ
 _MY_LOST = (2006, 2013, 2055, 1053, 1927)     # gone away, lost, lost at..., server shutdown, connection killed
 
 
+def _my_closed(conn) -> bool:
+    """mysql-connector drops its socket when it closes a connection (after a lost connection or a timeout)."""
+    return getattr(conn, "_socket", None) is None or getattr(conn._socket, "sock", None) is None
+
+
 class MySQLConnector(Connector):
     dialect = "mysql"
     mariadb = True
@@ -691,6 +694,10 @@ class MySQLConnector(Connector):
             sess = _Session(conn, write, sock)
             cur = MySQLCursor(conn)
             cur.execute(conn._init_command)
+            # mysql-connector reads sql_mode lazily, through cursor() (a ping and a query) at the first call with
+            # parameters: read it here, once per session
+            cur.execute("SELECT @@session.sql_mode")
+            conn._sql_mode = cur.fetchall()[0][0]
             cur.close()
         except mysql_errors.Error as exc:
             raise connection_failed(self.name, _first_line(exc, self.password)) from None
@@ -739,13 +746,18 @@ class MySQLConnector(Connector):
 
     def _translate(self, sess, exc, limit):
         errno = getattr(exc, "errno", None)
-        if sess.fired or errno in _MY_LOST or errno and errno >= 2000 or errno is None and isinstance(
-                exc, (mysql_errors.InterfaceError, mysql_errors.OperationalError)):
+        cause = exc.__cause__
+        if isinstance(cause, mysql_errors.Error) and not isinstance(cause, mysql_errors.ProgrammingError):
+            errno = getattr(cause, "errno", None)
+            exc = cause
+        if sess.fired or _my_closed(sess.conn) or errno in _MY_LOST or errno and errno >= 2000 \
+                or errno is None and isinstance(exc, (mysql_errors.InterfaceError, mysql_errors.OperationalError)):
             raise _Stale(_first_line(exc, self.password)) from None
         if errno in _MY_TIMEOUT:
             raise query_timeout(limit) from None
         try:
-            sess.conn.rollback()
+            if sess.conn.in_transaction:
+                sess.conn.rollback()
         except Exception:
             pass
         raise QueryFailed(_first_line(exc, self.password)) from None
@@ -753,7 +765,7 @@ class MySQLConnector(Connector):
     def _reset(self, sess, clean):
         conn = sess.conn
         try:
-            if conn.unread_result:
+            if _my_closed(conn) or conn.unread_result:
                 return False
             if conn.in_transaction:
                 conn.rollback()

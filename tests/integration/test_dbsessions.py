@@ -1,0 +1,148 @@
+"""Pooled sessions on the real servers carry nothing from one caller to the next (connectors S5), reads run in
+transactions that cannot become read-write (S2), a statement error is 500 whatever its SQLSTATE class while a
+lost database is 502 (S7), and a connection's role is reported privileged or not (S8)."""
+from __future__ import annotations
+
+import pytest
+
+from qag import config, connectors
+from qag.connectors import QueryFailed
+from qag.errors import ApiError, DatabaseError
+from tests.conftest import free_port, mysql_exec, pg_exec, pg_fresh_db
+
+CFG = config.load({"QAG_QUERY_TIMEOUT": "2", "QAG_CONNECT_TIMEOUT": "2", "QAG_POOL_SIZE": "1"})
+
+
+def one(c, sql, args=(), **kw):
+    kw.setdefault("state_free", connectors.state_free(sql.replace("%s", "NULL"), c.dialect))
+    return c.run(sql, args, write=False, timeout=kw.pop("timeout", None), max_rows=None, **kw)[1]
+
+
+@pytest.fixture(scope="module")
+def pg():
+    dsn = pg_fresh_db("qag_dbsess")
+    pg_exec(dsn, "CREATE TABLE t (id int PRIMARY KEY, email text)")
+    pg_exec(dsn, "INSERT INTO t VALUES (1, 'ada@example.com')")
+    pg_exec(dsn, "CREATE ROLE qag_dbsess_plain LOGIN") if not pg_exec(
+        dsn, "SELECT 1 FROM pg_roles WHERE rolname = 'qag_dbsess_plain'") else None
+    pg_exec(dsn, "GRANT SELECT ON t TO qag_dbsess_plain")
+    row = {"name": "pg", "db": "postgres", "host": "127.0.0.1", "port": 5432, "user": "postgres",
+           "database": "qag_dbsess", "options": {}}
+    c = connectors.make(row, None, CFG)  # pool of one: every call gets the previous caller's session
+    yield c, dsn
+    c.close()
+
+
+@pytest.mark.parametrize("change, probe, clean", [
+    ("SELECT set_config('search_path', 'evil', false)", "SELECT current_setting('search_path')", [('"$user", public',)]),
+    ("SELECT set_config('statement_timeout', '0', false)", "SELECT current_setting('statement_timeout')", [("2s",)]),
+    ("SELECT set_config('default_transaction_read_only', 'off', false)",
+     "SELECT current_setting('default_transaction_read_only')", [("on",)]),
+    ("SELECT set_config('myapp.x', 'leak', false)", "SELECT current_setting('myapp.x', true)", [("",)]),
+    ("SELECT set_config('role', 'qag_dbsess_plain', false)", "SELECT current_user", [("postgres",)]),
+])
+def test_pg_settings_do_not_reach_the_next_caller(pg, change, probe, clean):
+    c, _ = pg
+    one(c, change)
+    assert one(c, probe) == clean
+    assert c.opened >= 1 and c.idle_count() == 1
+
+
+def test_pg_locks_and_listen_do_not_outlive_the_call(pg):
+    c, dsn = pg
+    one(c, "SELECT pg_advisory_lock(4242)")
+    assert pg_exec(dsn, "SELECT pg_try_advisory_lock(4242)") == [(True,)]  # another session gets it at once
+    one(c, "SELECT count(*) FROM pg_prepared_statements")
+    assert one(c, "SELECT count(*) FROM pg_listening_channels()") == [(0,)]
+
+
+def test_pg_misjudged_state_free_still_cannot_carry_read_write(pg):
+    """Even a statement wrongly claimed state-free cannot leave a read-write session behind: the reported
+    default_transaction_read_only (ParameterStatus) discards it, and each read is its own READ ONLY transaction."""
+    c, dsn = pg
+    opened = c.opened
+    c.run("SELECT set_config('default_transaction_read_only', 'off', false)", (), write=False, timeout=None,
+          max_rows=None, state_free=True)
+    with pytest.raises(QueryFailed) as ei:
+        c.run("WITH d AS (DELETE FROM t RETURNING id) SELECT count(*) FROM d", (), write=False, timeout=None,
+              max_rows=None, state_free=True)
+    assert "read-only" in ei.value.db_text and c.opened == opened + 1
+    assert pg_exec(dsn, "SELECT count(*) FROM t") == [(1,)]
+
+
+def test_pg_a_read_cannot_become_read_write_inside_its_transaction(pg):
+    c, dsn = pg
+    with pytest.raises(QueryFailed) as ei:
+        one(c, "SELECT set_config('transaction_read_only', 'off', true), (SELECT count(*) FROM t)")
+    assert "read-write" in ei.value.db_text or "before any query" in ei.value.db_text
+    assert one(c, "SELECT current_setting('transaction_read_only')") == [("on",)]
+
+
+def test_pg_statement_error_of_an_operational_class_is_query_failed(pg):
+    """58P01 (could not stat file) is an OperationalError to psycopg2, but the session is fine: 500, not 502."""
+    c, _ = pg
+    with pytest.raises(QueryFailed) as ei:
+        one(c, "SELECT pg_stat_file('ada@example.com')")
+    assert "ada@example.com" in ei.value.db_text  # for administrators; app.query_failed hides it from keys
+    assert one(c, "SELECT 1") == [(1,)]
+
+
+def test_pg_unreachable_sentence_does_not_depend_on_the_password():
+    row = {"name": "gone", "db": "postgres", "host": "127.0.0.1", "port": free_port(), "user": "u",
+           "database": "d", "options": {}}
+    msgs = set()
+    for pw in ("hunter2", "x", None):
+        with pytest.raises(DatabaseError) as ei:
+            connectors.make(row, pw, CFG).run("SELECT 1", (), write=False, timeout=None, max_rows=None)
+        assert ei.value.status == 502 and ei.value.code == "connection_failed"
+        msgs.add(ei.value.message)
+    assert len(msgs) == 1 and "gone" in msgs.pop()
+
+
+def test_pg_privileges_flag_superuser_and_plain_role(pg):
+    c, _ = pg
+    p = c.privileges()
+    assert p["privileged"] and p["superuser"] and "rolsuper" in p["detail"]
+    plain = connectors.make({"name": "plain", "db": "postgres", "host": "127.0.0.1", "port": 5432,
+                             "user": "qag_dbsess_plain", "database": "qag_dbsess", "options": {}}, None, CFG)
+    try:
+        assert plain.privileges() == {"superuser": False, "server_files": False, "privileged": False, "detail": []}
+    finally:
+        plain.close()
+
+
+@pytest.fixture(scope="module")
+def my():
+    mysql_exec("DROP DATABASE IF EXISTS qag_dbsess")
+    mysql_exec("CREATE DATABASE qag_dbsess")
+    mysql_exec("CREATE TABLE qag_dbsess.t (id INT PRIMARY KEY, email VARCHAR(40))")
+    mysql_exec("INSERT INTO qag_dbsess.t VALUES (1, 'ada@example.com')")
+    row = {"name": "my", "db": "mysql", "host": "127.0.0.1", "port": 3306, "user": "root", "database": "qag_dbsess",
+           "options": {}}
+    c = connectors.make(row, "", CFG)
+    yield c
+    c.close()
+
+
+def test_mysql_user_variables_and_locks_do_not_reach_the_next_caller(my):
+    one(my, "SELECT @leak := 'ada@example.com'")
+    assert one(my, "SELECT @leak") == [(None,)]
+    one(my, "SELECT GET_LOCK('qag_dbsess', 0)")
+    assert mysql_exec("SELECT IS_FREE_LOCK('qag_dbsess')") == [(1,)]
+    one(my, "SELECT LAST_INSERT_ID(42)")
+    assert one(my, "SELECT LAST_INSERT_ID()") == [(0,)]
+
+
+def test_mysql_read_is_read_only_and_limited_per_statement(my):
+    assert one(my, "SELECT @@tx_read_only, @@max_statement_time") == [(1, 2.0)]
+    assert one(my, "SELECT @@max_statement_time", timeout=0.0004) == [(0.01,)]  # never 0 (no limit)
+    with pytest.raises(QueryFailed):
+        one(my, "DELETE FROM t")
+    with pytest.raises(ApiError) as ei:
+        one(my, "SELECT SLEEP(1)", timeout=0.2)
+    assert ei.value.code == "query_timeout" and ei.value.extra["timeout"] == 0.2
+
+
+def test_mysql_privileges_flag_root(my):
+    p = my.privileges()
+    assert p["privileged"] and set(p["detail"]) == {"FILE", "SUPER"}
