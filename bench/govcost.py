@@ -36,7 +36,7 @@ sys.path.insert(0, ROOT)
 WORKLOADS = {
     "postgres": {
         "connection": {"name": "db", "db": "postgres", "host": "127.0.0.1", "port": 5432, "user": "postgres",
-                       "database": "qag_bench_oltp"},
+                       "database": "qag_bench_oltp", "options": {"allow_superuser": True}},
         "query": {"name": "q", "connection_name": "db", "publish": True,
                   "sql": "SELECT aid, bid, abalance FROM pgbench_accounts WHERE aid = :aid",
                   "parameters": {"aid": {"type": "int", "required": True}}},
@@ -46,7 +46,7 @@ WORKLOADS = {
     },
     "mariadb": {
         "connection": {"name": "db", "db": "mysql", "host": "127.0.0.1", "port": 3306, "user": "root",
-                       "database": "qagb_crm"},
+                       "database": "qagb_crm", "options": {"allow_superuser": True}},
         "query": {"name": "q", "connection_name": "db", "publish": True,
                   "sql": "SELECT c_id, c_first, c_middle, c_last, c_phone, c_credit, c_balance FROM "
                          "qagb_crm.customer WHERE c_w_id = :w AND c_d_id = :d AND c_id = :c",

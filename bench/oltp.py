@@ -60,7 +60,8 @@ def id_regex(n):
 def workload(scale):
     accounts = scale * 100000
     connection = {'name': 'oltp', 'db': 'postgres', 'host': '127.0.0.1', 'port': 5432, 'user': 'postgres',
-                  'password': '', 'database': DATA_DB}
+                  'password': '', 'database': DATA_DB,
+                  'options': {'allow_superuser': True}}  # the governed key on a superuser connection (S8)
     queries = [
         {'name': 'account', 'connection_name': 'oltp', 'publish': True, 'description': 'One account by id',
          'sql': 'SELECT aid, bid, abalance FROM pgbench_accounts WHERE aid = :aid',

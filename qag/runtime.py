@@ -66,6 +66,7 @@ class Runtime:
         self._schemas: dict[str, tuple] = {}
         self._functions: dict[str, tuple] = {}  # connection -> (generation, its user-defined functions)
         self._views: dict[str, tuple] = {}      # connection -> (generation, {(schema, view): definition})
+        self._privileged: dict[str, tuple] = {}  # connection -> (generation, connectors S8 privileges)
         self._admins: dict[str, tuple] = {}
         self._lock = threading.Lock()
         self._mask_key: bytes | None = None
@@ -332,6 +333,7 @@ class Runtime:
         if not crow["active"]:
             raise ApiError(502, "connection_failed",
                            f"The connection '{crow['name']}' is inactive; an administrator must reactivate it.")
+        self.check_privileged(principal, vrow, crow, connector, cgen)
         p = plan_mod.build(key=principal.key, query=qrow, version=vrow, connection=crow, connector=connector,
                            cfg=self.cfg, gens=gens, columns_of=self.columns_of_factory(crow["name"], connector, cgen),
                            functions_of=self.functions_of_factory(crow["name"], connector, cgen),
@@ -366,6 +368,26 @@ class Runtime:
                            f"The query '{qrow['name']}' is written for {own['db']}; the connection '{name}' is "
                            f"{crow['db']}. Name a {own['db']} connection.")
         return crow, connector, cgen
+
+    def check_privileged(self, principal: Principal, vrow: dict, crow: dict, connector, gen: int) -> None:
+        """connectors S8: a key with an allow-list or masking rules may not use a connection whose role is a
+        superuser or may read server files, unless its options.allow_superuser is true. The role's privileges
+        are read once per connection generation, and only for such keys."""
+        if principal.key is None or (crow.get("options") or {}).get("allow_superuser") is True:
+            return
+        g = principal.key["grants"]
+        if not (g.get("allowed_tables") or g.get("mask") or vrow.get("mask")):
+            return
+        cached = self._privileged.get(crow["name"])
+        if cached is None or cached[0] != gen:
+            cached = (gen, connector.privileges())
+            self._privileged[crow["name"]] = cached
+        priv = cached[1]
+        if priv["privileged"]:
+            raise ApiError(403, "connection_privileged",
+                           f"The connection '{crow['name']}' logs in as a role that is a superuser or can read server "
+                           f"files ({', '.join(priv['detail'])}); a key with an allow-list or masking rules may not "
+                           "use it unless an administrator sets the connection's options.allow_superuser to true.")
 
     @property
     def mask_key(self) -> bytes:

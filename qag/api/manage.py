@@ -11,7 +11,7 @@ import time
 
 import falcon
 
-from qag import params as P, plan as plan_mod, timeutil
+from qag import errors, params as P, plan as plan_mod, timeutil
 from qag.app import read_json, client_addr
 from qag.errors import ApiError
 from qag.store import Conflict, GRANT_FIELDS, public_connection, public_key
@@ -231,13 +231,25 @@ class ConnectionTest:
         conn = connectors.make(row, password, self.app.cfg)
         t0 = time.perf_counter()
         try:
-            conn.run("SELECT 1", (), write=False, timeout=None, max_rows=1)
+            conn.run("SELECT 1", (), write=False, timeout=None, max_rows=1, state_free=True)
+            latency = time.perf_counter() - t0
+            # connectors S8: keys with an allow-list or masking rules are refused a privileged connection
+            # (403 connection_privileged) unless options.allow_superuser is true
+            try:
+                priv = conn.privileges()
+            except (connectors.QueryFailed, ApiError):
+                priv = {"superuser": None, "server_files": None, "privileged": None, "detail": []}
         except connectors.QueryFailed as exc:
             raise ApiError(502, "connection_failed", f"Connected, but SELECT 1 failed: {exc.db_text}") from None
+        except errors.DatabaseError as exc:
+            raise exc.for_admin() from None  # administrators only here: the driver's words help
         finally:
             conn.close()
-        ok(resp, {"ok": True, "name": row["name"], "db": row["db"],
-                  "latency_ms": round((time.perf_counter() - t0) * 1000, 3)})
+        allowed = (row.get("options") or {}).get("allow_superuser") is True
+        ok(resp, {"ok": True, "name": row["name"], "db": row["db"], "latency_ms": round(latency * 1000, 3),
+                  "privileged": priv["privileged"], "superuser": priv["superuser"],
+                  "server_files": priv["server_files"], "privileges": priv["detail"], "allow_superuser": allowed,
+                  "governed_keys_allowed": not priv["privileged"] or allowed})
 
 
 # -- queries --------------------------------------------------------------------------------------

@@ -37,7 +37,8 @@ def post(s, path, body, expect=(200, 201)):
 @pytest.fixture(scope="module")
 def keys(srv):
     post(srv, "/api/v1/connections", {"name": "oltp", "db": "postgres", "host": "127.0.0.1", "port": 5432,
-                                      "user": "postgres", "database": "qag_core_pgbench"})
+                                      "user": "postgres", "database": "qag_core_pgbench",
+                                      "options": {"allow_superuser": True}})  # governed keys on a superuser
     post(srv, "/api/v1/queries", {"name": "account", "connection_name": "oltp",
                                   "sql": "SELECT aid, bid, abalance FROM pgbench_accounts WHERE aid = :aid",
                                   "parameters": {"aid": {"type": "int", "required": True}}, "publish": True})
@@ -154,7 +155,8 @@ def six(srv):
         mysql_exec(f"INSERT INTO {PFX}billing.customer VALUES (%s, %s)", (i, f"4111-000{i}"))
         mysql_exec(f"INSERT INTO {PFX}orders.orders VALUES (%s, %s, %s)", (i * 10, i, i * 1.5))
     post(srv, "/api/v1/connections", {"name": "shop", "db": "mysql", "host": "127.0.0.1", "port": 3306,
-                                      "user": "root", "password": "", "database": f"{PFX}crm"})
+                                      "user": "root", "password": "", "database": f"{PFX}crm",
+                                      "options": {"allow_superuser": True}})
     post(srv, "/api/v1/queries", {"name": "order_status", "connection_name": "shop",
                                   "sql": f"SELECT c.c_id, c.c_name, c.c_email, o.o_id, o.o_total FROM customer c "
                                          f"JOIN {PFX}orders.orders o ON o.o_c_id = c.c_id WHERE c.c_id = :cid",

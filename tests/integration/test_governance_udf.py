@@ -46,7 +46,8 @@ def pg_app(app_client):
     pg_fresh_db(PG_DB)
     pg_exec(f"postgresql://postgres@127.0.0.1:5432/{PG_DB}", PG_SETUP)
     post(app_client, "/api/v1/connections", {"name": "db", "db": "postgres", "host": "127.0.0.1", "port": 5432,
-                                             "user": "postgres", "database": PG_DB})
+                                             "user": "postgres", "database": PG_DB,
+                                             "options": {"allow_superuser": True}})  # connectors S8
     return app_client
 
 
@@ -103,7 +104,8 @@ def my_app(app_client):
     mysql_exec(f"CREATE FUNCTION card_of(cid INT) RETURNS VARCHAR(20) READS SQL DATA "
                f"RETURN (SELECT card_number FROM {MY_DB}_billing.card WHERE customer_id = cid)", database=MY_DB)
     post(app_client, "/api/v1/connections", {"name": "db", "db": "mysql", "host": "127.0.0.1", "port": 3306,
-                                             "user": "root", "database": MY_DB})
+                                             "user": "root", "database": MY_DB,
+                                             "options": {"allow_superuser": True}})
     yield app_client
     mysql_exec(f"DROP DATABASE IF EXISTS {MY_DB}")
     mysql_exec(f"DROP DATABASE IF EXISTS {MY_DB}_billing")
