@@ -211,46 +211,54 @@ def _mysql_state_free(sql: str) -> bool:
 # -- S4: the watchdog -------------------------------------------------------------------------------
 class _Watchdog:
     """One thread per process: a call still waiting at its deadline gets its session's socket shut down, so the
-    blocked read returns and the call answers 504. Arming and disarming are a dict write under a lock."""
-
-    TICK = 0.1
+    blocked read returns and the call answers 504. Arming and disarming are one dict store each (atomic under the
+    GIL; a cut that races a disarm leaves a session that fails as stale on its next use, S6). The thread sleeps
+    until the earliest deadline it knows of (about the statement limit away), so a busy worker pays no wake-ups;
+    an arm with an earlier deadline than that wakes it."""
 
     def __init__(self):
-        self._calls: dict[int, tuple[float, "_Session"]] = {}
-        self._lock = threading.Lock()
-        self._pid = 0
+        self._after_fork()
 
-    def arm(self, sess: "_Session", seconds: float) -> None:
-        if self._pid != os.getpid():
+    def _after_fork(self) -> None:
+        self._calls: dict[_Session, float] = {}
+        self._running = False
+        self._wake = 0.0  # when the thread next looks; 0 while it is looking
+        self._cond = threading.Condition()
+
+    def arm(self, sess: _Session, seconds: float) -> None:
+        if not self._running:
             self._start()
-        with self._lock:
-            self._calls[id(sess)] = (time.monotonic() + seconds, sess)
+        d = time.monotonic() + seconds
+        self._calls[sess] = d
+        if d < self._wake or not self._wake:
+            with self._cond:
+                self._cond.notify()
 
-    def disarm(self, sess: "_Session") -> None:
-        with self._lock:
-            self._calls.pop(id(sess), None)
+    def disarm(self, sess: _Session) -> None:
+        self._calls.pop(sess, None)
 
     def _start(self) -> None:
-        with self._lock:
-            if self._pid == os.getpid():
-                return
-            self._calls = {}
-            self._pid = os.getpid()
-            threading.Thread(target=self._loop, name="qag-db-watchdog", daemon=True).start()
+        with self._cond:
+            if not self._running:
+                threading.Thread(target=self._loop, name="qag-db-watchdog", daemon=True).start()
+                self._running = True
 
     def _loop(self) -> None:
-        while True:
-            time.sleep(self.TICK)
-            now = time.monotonic()
-            with self._lock:
-                late = [s for d, s in self._calls.values() if d <= now]
-                for s in late:
-                    del self._calls[id(s)]
-                    s.fired = True
-                    s.cut()
+        with self._cond:
+            while True:
+                self._wake = 0.0
+                now = time.monotonic()
+                for s, d in list(self._calls.items()):
+                    if d <= now and self._calls.pop(s, None) is not None:
+                        s.fired = True
+                        s.cut()
+                nxt = min(self._calls.values(), default=now + 60.0)
+                self._wake = nxt
+                self._cond.wait(max(0.005, nxt - now))
 
 
 WATCHDOG = _Watchdog()
+os.register_at_fork(after_in_child=WATCHDOG._after_fork)
 
 
 class _Session:
@@ -328,6 +336,8 @@ class Connector:
         self.resets = 0         # sessions reset after a call not proven state-free (S5)
         self.stale_dropped = 0  # sessions dropped as stale, idle ones opened before a failure included (S6)
         self.closed = False
+        self.session_ms = limit_ms(None, timeout)  # S3: the sessions' own limit
+        self._session_limit = self.session_ms / 1000
 
     # -- pool ----------------------------------------------------------------------------
     def acquire(self, write: bool) -> tuple[_Session, bool]:
@@ -377,7 +387,7 @@ class Connector:
 
     def limit(self, asked: float | None) -> float:
         """S3: the call's limit in seconds (whole milliseconds)."""
-        return limit_ms(asked, self.timeout) / 1000
+        return self._session_limit if asked is None else limit_ms(asked, self.timeout) / 1000
 
     # -- what subclasses provide -------------------------------------------------------------
     def _open(self, write: bool) -> _Session:
@@ -456,6 +466,9 @@ class Connector:
 
 
 # ---------------------------------------------------------------------------------------------
+_PG_IDLE = psycopg2.extensions.TRANSACTION_STATUS_IDLE if psycopg2 is not None else 0
+
+
 class PostgresConnector(Connector):
     dialect = "postgres"
 
@@ -496,12 +509,12 @@ class PostgresConnector(Connector):
     def _run(self, sess, sql, args, *, write, limit, max_rows):
         conn = sess.conn
         ms = round(limit * 1000)
-        own = ms != limit_ms(None, self.timeout)
-        if write:
-            text = f"SET LOCAL statement_timeout = {ms}; {sql}" if own else sql
+        if ms == self.session_ms:
+            text = sql if write else "SET TRANSACTION READ ONLY; " + sql
+        elif write:
+            text = f"SET LOCAL statement_timeout = {ms}; {sql}"
         else:
-            text = (f"SET TRANSACTION READ ONLY; SET LOCAL statement_timeout = {ms}; {sql}" if own
-                    else f"SET TRANSACTION READ ONLY; {sql}")
+            text = f"SET TRANSACTION READ ONLY; SET LOCAL statement_timeout = {ms}; {sql}"
         cur = conn.cursor()
         try:
             cur.execute(text, args)
@@ -538,7 +551,7 @@ class PostgresConnector(Connector):
         if conn.closed:
             return False
         try:
-            if conn.info.transaction_status != psycopg2.extensions.TRANSACTION_STATUS_IDLE:
+            if conn.get_transaction_status() != _PG_IDLE:
                 conn.rollback()
                 clean = False
             if not sess.write and conn.get_parameter_status("default_transaction_read_only") != "on" \
@@ -706,7 +719,7 @@ class MySQLConnector(Connector):
     def _run(self, sess, sql, args, *, write, limit, max_rows):
         conn = sess.conn
         ms = round(limit * 1000)
-        own = ms != limit_ms(None, self.timeout)
+        own = ms != self.session_ms
         if self.mariadb:  # S2: the statement's own read-only transaction and limit, in the statement
             text = (f"SET STATEMENT max_statement_time={ms / 1000:.3f} FOR {sql}" if write else
                     f"SET STATEMENT tx_read_only=1, max_statement_time={ms / 1000:.3f} FOR {sql}")
