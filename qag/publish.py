@@ -59,8 +59,13 @@ def _spec(s) -> dict:
 def connection_entry(row: dict, gen: int, connect_timeout: float | None = None) -> dict:
     """What the plane needs to open the sessions Python's connector opens (PostgreSQL and MySQL/MariaDB:
     qag/connectors.py); `connect_timeout` is cfg.connect_timeout (the query time limit is in each plan)."""
+    # Only the text and integer options that shape a session (schema, search_path, sslmode...) go to the plane:
+    # flags and lists (allow_superuser, trusted_functions) are Python's plan-time decisions, and the plane reads a
+    # connection entry with any other value as unusable.
+    options = {k: v for k, v in (row["options"] or {}).items()
+               if isinstance(v, str) or isinstance(v, int) and not isinstance(v, bool)}
     return {"db": row["db"], "host": row["host"], "port": row["port"], "user": row["user"],
-            "database": row["database"], "options": row["options"] or {}, "active": bool(row["active"]), "gen": gen,
+            "database": row["database"], "options": options, "active": bool(row["active"]), "gen": gen,
             "connect_timeout": connect_timeout}
 
 

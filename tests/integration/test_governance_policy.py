@@ -58,7 +58,8 @@ def pg_app(app_client):
     pg_fresh_db(PG_DB)
     pg_exec(f"postgresql://postgres@127.0.0.1:5432/{PG_DB}", PG_SETUP)
     post(app_client, "/api/v1/connections", {"name": "db", "db": "postgres", "host": "127.0.0.1", "port": 5432,
-                                             "user": "postgres", "database": PG_DB})
+                                             "user": "postgres", "database": PG_DB,
+                                             "options": {"allow_superuser": True}})  # connectors S8
     return app_client
 
 
@@ -100,7 +101,8 @@ def test_postgresql_functions_off_the_allow_list(pg_app):
 
     # an administrator trusts the function on the connection: the listed key may call it
     r = c.simulate_patch("/api/v1/connections/db", headers=ADM,
-                         body=json.dumps({"options": {"trusted_functions": ["public.card_of"]}}))
+                         body=json.dumps({"options": {"trusted_functions": ["public.card_of"],
+                                                      "allow_superuser": True}}))
     assert r.status_code == 200, r.text
     assert call(c, listed, "udf").json[1]["c"] == "5500000000000004"
     assert call(c, listed, "rewrite").json["code"] == "function_not_allowed"
@@ -149,7 +151,8 @@ def my_app(app_client):
     mysql_exec(f"CREATE FUNCTION card_of(cid INT) RETURNS VARCHAR(20) READS SQL DATA "
                f"RETURN (SELECT card_number FROM {MY_DB}_vault.card WHERE customer_id = cid)", database=MY_DB)
     post(app_client, "/api/v1/connections", {"name": "db", "db": "mysql", "host": "127.0.0.1", "port": 3306,
-                                             "user": "root", "database": MY_DB})
+                                             "user": "root", "database": MY_DB,
+                                             "options": {"allow_superuser": True}})
     yield app_client
     for db in (MY_DB, MY_DB + "_vault"):
         mysql_exec(f"DROP DATABASE IF EXISTS {db}")
