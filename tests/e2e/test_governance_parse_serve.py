@@ -45,7 +45,8 @@ QUERIES = {
 @pytest.fixture(scope="module")
 def key(srv):
     post(srv, "/api/v1/connections", {"name": "db", "db": "postgres", "host": "127.0.0.1", "port": 5432,
-                                      "user": "postgres", "database": DB})
+                                      "user": "postgres", "database": DB,
+                                      "options": {"allow_superuser": True}})  # governed keys, superuser (S8)
     for name, (sql, params) in QUERIES.items():
         post(srv, "/api/v1/queries", {"name": name, "connection_name": "db", "sql": sql, "parameters": params,
                                       "publish": True})
