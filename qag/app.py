@@ -166,9 +166,9 @@ class DataResource:
         plan_hit = None
         try:
             # The Console's "try it" calls in-process as its signed-in administrator (qag/console: PRINCIPAL_ENV).
-            principal = req.env.get("qag.console_principal") or rt.authenticate(req.get_header("X-API-Key"),
-                                                                                client_addr(req))
-            run["key_name"] = None if principal.admin else principal.name
+            principal = req.env.get("qag.console_principal") or rt.authenticate_caller(
+                req.get_header("X-API-Key"), req.get_header("Authorization"), client_addr(req))
+            run["key_name"] = None if principal.admin else principal.caller
             limits = rt.check_rate(principal)
             if limits is not None:
                 for hk, hv in limits.headers.items():
@@ -180,8 +180,10 @@ class DataResource:
             plan_hit = rt.plan_hits > hits
             run["version"], run["connection"] = plan.version, plan.connection
             t_plan = time.perf_counter()
-            values = P.bind(plan.specs, body_params if body_params is not None else opts.params,
-                            app.cfg.max_param_bytes)
+            given_params = body_params if body_params is not None else opts.params
+            if plan.claims or principal.claims is not None:
+                given_params = _claims(principal, plan, given_params)
+            values = P.bind(plan.specs, given_params, app.cfg.max_param_bytes)
             args = plan.bind_args(values)
             t_bind = time.perf_counter()
             cache_key = None
@@ -307,6 +309,16 @@ class DataResource:
         resp.stream = body()
 
 
+def _claims(principal, plan, given: dict) -> dict:
+    """A signed-in caller's claim-bound parameters (qag/identity.py); a role may require one on every query."""
+    from qag import identity
+    role = (principal.key or {}).get("role") if principal.claims is not None else None
+    if role and role.get("require_claims") and not plan.claims:
+        raise ApiError(403, "claim_binding_required", f"The role '{role['name']}' runs only queries that bind "
+                       "a parameter to the caller's token; this one binds none.")
+    return identity.bind_claims(principal, plan.claims, given) if plan.claims else given
+
+
 SERVER_TIMING = ("auth;dur=%.3f, plan;dur=%.3f, bind;dur=%.3f, execute;dur=%.3f, govern;dur=%.3f, "
                  "render;dur=%.3f")
 
@@ -425,8 +437,9 @@ class QagApp:
         self.falcon.add_error_handler(ApiError, self._on_api_error)
         self.falcon.add_route(DataResource.ROUTE, DataResource(self))
         from qag import console
-        from qag.api import catalog, manage, ops, runs
+        from qag.api import catalog, manage, ops, roles, runs
         catalog.register(self)
+        roles.register(self)
         console.register(self)
         manage.register(self)
         ops.register(self)

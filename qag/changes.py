@@ -36,6 +36,8 @@ BATCH = 10_000
 def kind_of(entity: str, name: str) -> tuple[str, str]:
     if entity == "admin":
         return "key", "\x00admins"
+    if entity == "role":
+        return "key", "role:" + name   # a role's callers hold key-kind plans named role:<name> (qag/identity.py)
     return KIND.get(entity, entity), name
 
 

@@ -150,6 +150,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("log_level", "QAG_LOG_LEVEL", _str, "info", "Log level of the arbiter and workers.", "str"),
     Setting("access_log", "QAG_ACCESS_LOG", _bool, "0", "Write a gunicorn access log line per request (runs are the access log).", "bool"),
     Setting("redis_url", "QAG_REDIS_URL", _redis_url, "", "Redis shared by every host for rate limits and quotas (empty: counted per host).", "url"),
+    Setting("jwt_secret", "QAG_JWT_SECRET", _str, "", "Shared secret for HS256 tokens of signed-in callers (empty: HS256 refused).", "str"),
+    Setting("jwt_jwks_url", "QAG_JWT_JWKS_URL", _str, "", "JWKS URL of the identity provider for RS256/ES256 tokens (empty: refused).", "url"),
+    Setting("jwt_issuer", "QAG_JWT_ISSUER", _str, "", "Required iss of tokens (empty: not checked).", "str"),
+    Setting("jwt_audience", "QAG_JWT_AUDIENCE", _str, "", "Required aud of tokens (empty: not checked).", "str"),
+    Setting("jwt_role_claim", "QAG_JWT_ROLE_CLAIM", _str, "role", "The claim naming a signed-in caller's role.", "str"),
+    Setting("jwt_leeway_seconds", "QAG_JWT_LEEWAY_SECONDS", _nonneg_int, "30", "Clock skew allowed on exp and nbf.", "seconds"),
     Setting("console_session_seconds", "QAG_CONSOLE_SESSION_SECONDS", _pos_int, "28800", "Lifetime of a Console sign-in (the session cookie and its row in the store).", "seconds"),
 )
 

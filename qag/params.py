@@ -20,7 +20,8 @@ except ImportError:  # pragma: no cover - pglast is a base dependency
 INT_MIN, INT_MAX = -(2 ** 63), 2 ** 63 - 1
 TYPES = {"int": "int", "integer": "int", "float": "float", "number": "float", "str": "str", "string": "str",
          "bool": "bool", "boolean": "bool"}
-RULES = ("type", "required", "default", "enum", "min", "max", "min_length", "max_length", "pattern", "description")
+RULES = ("type", "required", "default", "enum", "min", "max", "min_length", "max_length", "pattern", "description",
+         "from_claim")
 RESERVED = frozenset(("format", "page", "page_size", "version", "timeout", "stream", "connection_name"))
 NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _IDENT_START = re.compile(r"[A-Za-z_]")
@@ -529,6 +530,13 @@ def normalize_specs(raw: Any, sql: str, dialect: str) -> dict[str, dict]:
         norm["required"] = bool(spec.get("required", "default" not in spec))
         if "description" in spec:
             norm["description"] = str(spec["description"])
+        if "from_claim" in spec:
+            # bound from the signed-in caller's verified token (qag/identity.py), never from the call
+            c = spec["from_claim"]
+            if not isinstance(c, str) or not re.fullmatch(r"[A-Za-z0-9_:./-]{1,100}", c):
+                problems.append("from_claim must name a claim of the token, e.g. sub")
+            else:
+                norm["from_claim"] = c
         if problems:
             errors[name] = "; ".join(problems)
         else:

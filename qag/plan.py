@@ -23,7 +23,7 @@ SQLGLOT_DIALECT = {"postgres": "postgres", "mysql": "mysql", "sqlite": "sqlite",
 class Plan:
     __slots__ = ("query", "version", "connection", "dialect", "sql", "arg_names", "specs", "is_write", "write_ops",
                  "transforms", "names", "tables", "page_mode", "gens", "cache_ttl", "key_name", "unknown",
-                 "state_free")
+                 "state_free", "claims")
 
     def bind_args(self, values: dict[str, Any]) -> tuple:
         return tuple(values[n] for n in self.arg_names)
@@ -109,6 +109,8 @@ def build(*, key: dict | None, query: dict, version: dict, connection: dict, con
     plan.specs = P.build_specs(version["parameters"])
     plan.cache_ttl = query.get("cache_ttl")
     plan.key_name = key["name"] if key else None
+    from qag.identity import claim_params
+    plan.claims = claim_params(version.get("parameters"))  # (parameter, claim) bound from a signed-in caller
     plan.gens = gens
     grants = key["grants"] if key else {}
     neutral = P.neutralize(sql, dialect)

@@ -41,13 +41,15 @@ class LocalGenerations:
 
 
 class Principal:
-    __slots__ = ("admin", "name", "key", "gen")
+    __slots__ = ("admin", "name", "key", "gen", "claims", "caller")
 
     def __init__(self, admin: bool, name: str, key: dict | None, gen: int = 0):
         self.admin = admin
-        self.name = name
+        self.name = name      # what plans are keyed by: the key's name, or "role:<name>" for a signed-in caller
         self.key = key
         self.gen = gen
+        self.claims = None    # a signed-in caller's verified claims
+        self.caller = name    # who is recorded and limited: the key, or "jwt:<sub>"
 
 
 UNAUTHORIZED = "Give a valid, active API key in the X-API-Key header."
@@ -71,6 +73,8 @@ class Runtime:
         self._lock = threading.Lock()
         self._mask_key: bytes | None = None
         self._rate: dict[str, list] = {}
+        self._roles: dict[str, tuple] = {}
+        self.verifier = None  # qag.identity.Verifier, made at the first signed-in call
         from qag.limits import Limiter
         self.limiter = Limiter(cfg, self._host_window)
         self.plan_hits = 0
@@ -149,7 +153,46 @@ class Runtime:
         429, else returns the limits' Decision (its RateLimit-* headers) or None for a key without limits."""
         if principal.key is None:
             return None
-        return self.limiter.check(principal.name, principal.key["grants"])
+        return self.limiter.check(principal.caller, principal.key["grants"])
+
+    # -- signed-in callers (qag/identity.py) ----------------------------------------------------------------
+    def authenticate_caller(self, secret: str | None, authorization: str | None, client_ip: str | None):
+        """X-API-Key when given; else a Bearer token whose role claim names a role; else 401."""
+        if secret or not authorization:
+            return self.authenticate(secret, client_ip)
+        from qag import identity
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise ApiError(401, "unauthorized", identity.UNAUTHORIZED)
+        if self.verifier is None:
+            self.verifier = identity.Verifier(self.cfg)
+        claims = self.verifier.verify(token.strip())
+        role_name = claims.get(self.verifier.role_claim)
+        role, gen = self.role(role_name) if isinstance(role_name, str) else (None, 0)
+        if role is None:
+            raise ApiError(401, "unauthorized", identity.UNAUTHORIZED)
+        ips = role["grants"].get("allowed_ips")
+        if ips and (not client_ip or not _ip_allowed(client_ip, ips)):
+            raise ApiError(401, "unauthorized", identity.UNAUTHORIZED)
+        key = {"name": identity.ROLE_PREFIX + role["name"], "grants": role["grants"], "active": True,
+               "expires_at": None, "role": role}
+        p = Principal(False, key["name"], key, gen)
+        p.claims = claims
+        p.caller = "jwt:" + str(claims.get("sub", "?"))[:200]
+        return p
+
+    def role(self, name: str) -> tuple[dict | None, int]:
+        from qag import identity
+        g = self.gens.gen("key", identity.ROLE_PREFIX + name) if self.gens is not None else 0
+        cached = self._roles.get(name)
+        if cached is not None and cached[0] == g and self.gens is not None:
+            return cached[1], g
+        row = identity.get_role(self.store, name)
+        if self.gens is not None:
+            if len(self._roles) > 1000:
+                self._roles.clear()
+            self._roles[name] = (g, row)
+        return row, g
 
     def _host_window(self, field: str, key_name: str, spec, now: float):
         """The per-host decision (no Redis, or Redis not answering): a fixed window aligned to the period, counted
@@ -346,7 +389,8 @@ class Runtime:
             self._plans[pkey] = p
             # The plane looks plans up by (key, query) alone and serves what it finds: only the published
             # version's plan may go there, or a later call without `version` could run another one.
-            if self.publisher is not None and version_no == published and not override:
+            # A plan binding a claim is never the plane's: it would take the value from the query string.
+            if self.publisher is not None and version_no == published and not override and not p.claims:
                 self.publisher.plan(p, plan_mod.strip_sql(vrow["sql"]))
         return p, crow, connector
 

@@ -17,7 +17,8 @@ _SYSTEM_SCHEMAS = {"pg_catalog", "information_schema", "pg_toast", "mysql", "per
 
 def _principal(app, req):
     from qag.app import client_addr
-    return app.runtime.authenticate(req.get_header("X-API-Key"), client_addr(req))
+    return app.runtime.authenticate_caller(req.get_header("X-API-Key"), req.get_header("Authorization"),
+                                           client_addr(req))
 
 
 def _formats() -> list[str]:
@@ -64,7 +65,10 @@ class Catalog:
                                         "action": action})
             items.append({
                 "name": q["name"], "description": q.get("description") or "", "version": q["published_version"],
-                "connection_name": q["connection_name"], "parameters": v.get("parameters") or {},
+                "connection_name": q["connection_name"],
+                # a claim-bound parameter is the token's, not the caller's to give: not listed
+                "parameters": {n: s for n, s in (v.get("parameters") or {}).items()
+                               if not (isinstance(s, dict) and s.get("from_claim"))},
                 "formats": fmts, "stream_formats": [f for f in render.STREAMERS if f in fmts],
                 "cache_ttl": q.get("cache_ttl"),
                 "writes": None if plan is None else bool(plan.is_write),

@@ -531,7 +531,7 @@ class QueryPublish:
 
 
 # -- API keys -------------------------------------------------------------------------------------
-KEY_FIELDS = ("name", "description", "active", "expires_at") + GRANT_FIELDS
+KEY_FIELDS = ("name", "description", "active", "expires_at", "role") + GRANT_FIELDS
 
 
 def validate_grants(body: dict) -> dict:
@@ -602,6 +602,15 @@ class ApiKeys:
         check_fields(body, KEY_FIELDS, ("name",))
         name = check_name(body["name"], "name")
         grants = validate_grants(body)
+        if body.get("role") is not None:
+            # A key made from a role: the role's grants, copied once now (later role edits do not reach it);
+            # grants given in the body override the role's.
+            from qag import identity
+            role = identity.get_role(self.app.runtime.store, body["role"]) if isinstance(body["role"], str) else None
+            if role is None:
+                raise ApiError(404, "role_not_found", f"There is no role named '{body['role']}'.",
+                               {"field": "role"})
+            grants = {**{k: v for k, v in role["grants"].items() if k in GRANT_FIELDS}, **grants}
         for f in GRANT_FIELDS:
             grants.setdefault(f, None if f not in ("queries", "connections", "mask", "allow_writes") else
                               ([] if f != "allow_writes" else False))

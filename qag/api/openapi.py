@@ -45,6 +45,8 @@ FIELD_SCHEMAS = {
     "rate_limit": {"type": ["string", "null"], "examples": ["60/minute"]},
     "quota": {"type": ["string", "object", "null"], "examples": ["10000/day"]},
     "version": {"type": "integer", "minimum": 1}, "grace_minutes": {"type": ["number", "null"], "minimum": 0},
+    "role": {"type": ["string", "null"], "description": "create the key from this role's grants"},
+    "require_claims": {"type": "boolean"},
 }
 
 
@@ -117,7 +119,9 @@ PATH_NAME = [{"name": "name", "in": "path", "required": True, "schema": {"type":
 
 def _op(op_id: str, summary: str, ok: dict, *, status="200", body: dict | None = None, errors=None,
         params=None) -> dict:
-    out = {"operationId": op_id, "summary": summary, "security": [{"apiKey": []}],
+    signed_in = op_id in ("run_query", "run_query_post", "catalog", "connection_schema")
+    out = {"operationId": op_id, "summary": summary,
+           "security": [{"apiKey": []}, {"bearer": []}] if signed_in else [{"apiKey": []}],
            "responses": {status: ok, **(errors or ADMIN_ERRORS)}}
     if body is not None:
         out["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
@@ -279,7 +283,26 @@ def static_paths() -> dict:
                                errors={"401": _err("No or bad key"), "503": _err("Too many subscribers")},
                                params=[_q("last_event_id", "Resume after this event id", {"type": "integer"})])},
         "/-/shm": {"get": _op("shm_stat", "The shared segment's state", _json({"type": "object"}))},
+        "/api/v1/roles": {
+            "get": _op("list_roles", "List roles", _json({"type": "object"})),
+            "post": _op("create_role", "Create a role (a grant template for signed-in callers and keys)",
+                        _json({"type": "object"}, "Created"), status="201", body=_role_body(True),
+                        errors={**ADMIN_ERRORS, "409": _err("Exists")})},
+        "/api/v1/roles/{name}": {
+            "parameters": PATH_NAME,
+            "get": _op("get_role", "Get a role", _json({"type": "object"}),
+                       errors={**ADMIN_ERRORS, "404": _err("No such role")}),
+            "patch": _op("change_role", "Change a role", _json({"type": "object"}), body=_role_body(False),
+                         errors={**ADMIN_ERRORS, "404": _err("No such role")}),
+            "delete": _op("delete_role", "Delete a role", {"description": "Deleted"}, status="204",
+                          errors={**ADMIN_ERRORS, "404": _err("No such role")})},
     }
+
+
+def _role_body(create: bool) -> dict:
+    from qag.api.roles import ROLE_FIELDS
+    fields = ROLE_FIELDS if create else tuple(f for f in ROLE_FIELDS if f != "name")
+    return body_schema(fields, ("name",) if create else ())
 
 
 CATALOG_ENTRY = {"type": "object", "properties": {
@@ -307,7 +330,7 @@ def _query_path(q: dict, v: dict | None) -> dict:
         params.append({"name": pname, "in": "query", "required": bool(spec.get("required")), "schema": schema})
     params += _call_options()
     return {"get": {"summary": q.get("description") or f"Run {q['name']}", "operationId": f"run_{q['name']}",
-                    "parameters": params, "security": [{"apiKey": []}],
+                    "parameters": params, "security": [{"apiKey": []}, {"bearer": []}],
                     "responses": {"200": _rows_response(), **DATA_ERRORS}}}
 
 
@@ -328,7 +351,10 @@ def document(app, principal) -> dict:
                      "description": "Saved SQL queries served as governed REST endpoints."},
             "paths": paths,
             "components": {"schemas": {**COMPONENTS, "CatalogEntry": CATALOG_ENTRY},
-                           "securitySchemes": {"apiKey": {"type": "apiKey", "in": "header", "name": "X-API-Key"}}}}
+                           "securitySchemes": {"apiKey": {"type": "apiKey", "in": "header", "name": "X-API-Key"},
+                                               "bearer": {"type": "http", "scheme": "bearer", "bearerFormat": "JWT",
+                                                          "description": "a signed-in caller's token; its role "
+                                                                         "claim names the grants"}}}}
 
 
 class OpenAPI:
@@ -338,10 +364,10 @@ class OpenAPI:
     def on_get(self, req, resp):
         from qag.app import client_addr
         principal = None
-        secret = req.get_header("X-API-Key")
-        if secret:
+        secret, bearer = req.get_header("X-API-Key"), req.get_header("Authorization")
+        if secret or bearer:
             try:
-                principal = self.app.runtime.authenticate(secret, client_addr(req))
+                principal = self.app.runtime.authenticate_caller(secret, bearer, client_addr(req))
             except ApiError:
                 principal = None
         resp.content_type = "application/json"
