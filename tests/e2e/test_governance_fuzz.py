@@ -26,7 +26,9 @@ For every generated statement, whatever it returns:
     itself is wrong: the generator writes some of those on purpose); a 200 is well formed in its format.
 
 Named cases per class of issue 12 (tests/governance_cases/classes/*.txt, format in its README.txt) run
-through the same server in `test_class_case`.
+through the same server in `test_class_case`, and again through a second server with the Rust data plane in
+front (`qag serve --plane`, when the plane is built) in `test_class_case_through_the_plane`: the plane must
+refuse what Python refuses and leak nothing either.
 
 Budget: a fixed seed and a bounded number of examples per (dialect, family) in CI (the whole module about
 3 minutes on a loaded 2-core machine). Locally:
@@ -65,7 +67,7 @@ from tests.conftest import MYSQL, PG_ADMIN_DSN, ROOT, mysql_exec, pg_exec, pg_fr
 SEED = int(os.environ.get("QAG_FUZZ_SEED", "20261201"))
 EXAMPLES = int(os.environ.get("QAG_FUZZ_EXAMPLES", "0") or 0)
 SECONDS = float(os.environ.get("QAG_FUZZ_SECONDS", "0") or 0)
-DEFAULT_EXAMPLES = 20
+DEFAULT_EXAMPLES = 15
 MASK_KEY = "fuzz-mask-key"
 PG_DB = "qag_fuzz_pg"
 MY_DB = "qag_fuzz_my"
@@ -252,6 +254,8 @@ class Env:
         self.tag_missed = 0
         self.my_seen = 0  # served MariaDB calls whose statement the Questions counter saw
         self.conn_name = {"postgres": "pgfz", "mysql": "myfz", "sqlite": "slfz"}
+        self.label = "py"
+        self.keys: dict[str, str] = {}
 
     def post(self, path, body, expect=(200, 201)):
         r = self.http.post(self.srv.base + path, headers={**self.admin, **J}, data=json.dumps(body))
@@ -271,13 +275,18 @@ class Env:
 
 
 @pytest.fixture(scope="module")
-def env():
+def dbs():
+    """The three databases, made once for the module's servers; the SQLite file's path."""
     setup_postgres()
     setup_mysql()
     sqlite_path = os.path.join(tempfile.mkdtemp(prefix="qag-fuzz-"), "qag_fuzz.db")
     setup_sqlite(sqlite_path)
-    srv = start_server({"QAG_MASK_KEY": MASK_KEY, "QAG_ALLOW_WRITES": "0"}, args=("--workers", "1"))
+    return sqlite_path
+
+
+def make_env(srv, sqlite_path, label) -> Env:
     e = Env(srv, sqlite_path)
+    e.label = label
     e.post("/api/v1/connections", {"name": "pgfz", "db": "postgres", "host": "127.0.0.1", "port": 5432,
                                    "user": "postgres", "database": PG_DB})
     e.post("/api/v1/connections", {"name": "myfz", "db": "mysql", "host": MYSQL["host"], "port": MYSQL["port"],
@@ -302,8 +311,33 @@ def env():
         e.baseline[d] = e.probe(d)
     a = e.probe("mysql")
     b = e.probe("mysql")
-    assert a["conn"] == b["conn"], "one worker, LIFO pool: the probe must get the same MariaDB session"
-    e.probe_delta = int(b["questions"]) - int(a["questions"])
+    # one worker, LIFO pool: the probe gets the same MariaDB session (else the Questions oracle stays off)
+    e.probe_delta = int(b["questions"]) - int(a["questions"]) if a["conn"] == b["conn"] else None
+    return e
+
+
+@pytest.fixture(scope="module")
+def env(dbs):
+    srv = start_server({"QAG_MASK_KEY": MASK_KEY, "QAG_ALLOW_WRITES": "0"}, args=("--workers", "1"))
+    e = make_env(srv, dbs, "py")
+    assert e.probe_delta is not None, "one worker, LIFO pool: the probe must get the same MariaDB session"
+    yield e
+    e.http.close()
+    srv.stop()
+
+
+PLANE_BIN = os.path.join(ROOT, "rustplane", "target", "release", "qag-plane")
+
+
+@pytest.fixture(scope="module")
+def plane_env(dbs):
+    """The same, with the Rust data plane in front (it serves what it can from Python's plans and forwards the
+    rest): the plane must refuse what Python refused and mask as Python does."""
+    if not os.path.exists(PLANE_BIN):
+        pytest.skip("the plane is not built (cd rustplane && cargo build --release)")
+    srv = start_server({"QAG_MASK_KEY": MASK_KEY, "QAG_ALLOW_WRITES": "0", "QAG_WORKERS": "1"},
+                       args=("--workers", "1", "--plane", "--plane-threads", "1"))
+    e = make_env(srv, dbs, "pl")
     yield e
     e.http.close()
     srv.stop()
@@ -434,7 +468,7 @@ def exercise(env: Env, case: Case, versions: list[str] | None = None) -> tuple[l
     """Save, call in every format, probe; the violations [(kind, detail)] and what the calls answered."""
     d = case.dialect
     n = next(env.n)
-    tag = f"fz-{d[:2]}-{n}-{random.Random(n).randrange(10**9)}"
+    tag = f"fz-{env.label}-{d[:2]}-{n}-{random.Random(n).randrange(10**9)}"
     name = f"fz_{d[:2]}_{n}"
     sql = f"/* {tag} */ {case.sql}"
     out: list[tuple[str, str]] = []
@@ -491,7 +525,8 @@ def exercise(env: Env, case: Case, versions: list[str] | None = None) -> tuple[l
                     env.tag_seen += 1
                 else:
                     env.tag_missed += 1
-            if d == "mysql" and before is not None and (refused_first or env.my_seen < 3):
+            if d == "mysql" and before is not None and env.probe_delta is not None and (refused_first or
+                                                                                       env.my_seen < 3):
                 after = env.probe(d)
                 if after["conn"] == before["conn"]:
                     moved = int(after["questions"]) - int(before["questions"])
@@ -1061,9 +1096,36 @@ def load_class_cases():
 CLASS_CASES = load_class_cases()
 
 
-@pytest.mark.parametrize("cc", [pytest.param(c, id=f"{c['file'][:-4]}:{c['title']}", marks=(
-    [pytest.mark.xfail(strict=True, reason=c["xfail"])] if c["xfail"] else [])) for c in CLASS_CASES])
+CLASS_PARAMS = [pytest.param(c, id=f"{c['file'][:-4]}:{c['title']}", marks=(
+    [pytest.mark.xfail(strict=True, reason=c["xfail"])] if c["xfail"] else [])) for c in CLASS_CASES]
+
+
+@pytest.mark.parametrize("cc", CLASS_PARAMS)
 def test_class_case(env, cc):
+    check_class_case(env, cc)
+
+
+@pytest.mark.parametrize("cc", CLASS_PARAMS)
+def test_class_case_through_the_plane(plane_env, cc):
+    check_class_case(plane_env, cc)
+
+
+def test_the_plane_served_class_cases_itself(plane_env):
+    """The plane run above means something only if the plane answered some of those calls itself."""
+    deadline = time.time() + 15
+    served = 0
+    while time.time() < deadline:
+        r = plane_env.http.get(plane_env.srv.base + "/api/v1/history", headers=plane_env.admin,
+                               params={"limit": "1000"})
+        assert r.status_code == 200, r.text
+        served = sum(1 for run in r.json()["items"] if run.get("served_by") == "plane")
+        if served:
+            break
+        time.sleep(0.5)
+    assert served > 0, "no call of the class cases was served by the plane"
+
+
+def check_class_case(env, cc):
     case = Case(cc["dialect"], "class", cc["sql"], parameters=cc["params"], call=cc["call"], key=cc["key"],
                 query_string=cc["query"])
     violations, seen = exercise(env, case, versions=cc["drafts"])
