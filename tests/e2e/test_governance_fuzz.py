@@ -69,8 +69,9 @@ EXAMPLES = int(os.environ.get("QAG_FUZZ_EXAMPLES", "0") or 0)
 SECONDS = float(os.environ.get("QAG_FUZZ_SECONDS", "0") or 0)
 DEFAULT_EXAMPLES = 15
 MASK_KEY = "fuzz-mask-key"
-PG_DB = "qag_fuzz_pg"
-MY_DB = "qag_fuzz_my"
+# Per run: CI and an engineer may run this module at the same time on the same servers.
+PG_DB = f"qag_fuzz_pg_{os.getpid()}"
+MY_DB = f"qag_fuzz_my_{os.getpid()}"
 CASES_DIR = os.path.join(ROOT, "tests", "governance_cases", "classes")
 J = {"Content-Type": "application/json"}
 
@@ -281,7 +282,10 @@ def dbs():
     setup_mysql()
     sqlite_path = os.path.join(tempfile.mkdtemp(prefix="qag-fuzz-"), "qag_fuzz.db")
     setup_sqlite(sqlite_path)
-    return sqlite_path
+    yield sqlite_path
+    mysql_exec(f"DROP DATABASE IF EXISTS {MY_DB}")
+    pg_exec(PG_ADMIN_DSN, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (PG_DB,))
+    pg_exec(PG_ADMIN_DSN, f'DROP DATABASE IF EXISTS "{PG_DB}"')
 
 
 def make_env(srv, sqlite_path, label) -> Env:
@@ -1126,7 +1130,8 @@ def test_the_plane_served_class_cases_itself(plane_env):
 
 
 def check_class_case(env, cc):
-    case = Case(cc["dialect"], "class", cc["sql"], parameters=cc["params"], call=cc["call"], key=cc["key"],
+    sql = cc["sql"].replace("qag_fuzz_my", MY_DB)  # "qag_fuzz_my" in a case is the run's database
+    case = Case(cc["dialect"], "class", sql, parameters=cc["params"], call=cc["call"], key=cc["key"],
                 query_string=cc["query"])
     violations, seen = exercise(env, case, versions=cc["drafts"])
     first: dict = {}
