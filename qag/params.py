@@ -11,6 +11,7 @@ import re
 from typing import Any
 
 from qag.errors import ApiError
+from qag.governance.lexers import LexError, mysql_read, mysql_tokens, quoted_end, sqlite_tokens
 
 try:
     from pglast.parser import scan as pg_scan
@@ -85,7 +86,7 @@ def _marker_at(sql: str, colon: int, word_end: int, dialect: str):
 def _pg_markers(sql: str) -> tuple[tuple[int, int, str], ...]:
     try:
         tokens = pg_scan(sql)
-    except Exception as exc:  # pglast.parser.ParseError, or anything the scanner raises
+    except Exception as exc:  # noqa: BLE001 - pglast's ParseError or anything the scanner raises: a refusal
         raise Unreadable("postgres", str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__) from None
     out = []
     for k, t in enumerate(tokens):
@@ -93,11 +94,11 @@ def _pg_markers(sql: str) -> tuple[tuple[int, int, str], ...]:
         if name == "PARAM":
             raise Unreadable("postgres", f"{sql[t.start:t.end + 1]} is a positional parameter; name parameters "
                                          "as :name")
-        if name == "SCONST" and sql[t.start] == "'" and "\\" in sql[t.start:t.end + 1]:
-            # With standard_conforming_strings off the server reads a backslash in '...' as an escape.
-            if _quoted_end(sql, t.start, "'", True) != t.end + 1:
-                raise Unreadable("postgres", f"the literal at character {t.start + 1} ends elsewhere when "
-                                             "standard_conforming_strings is off; write it as an E'...' string")
+        # With standard_conforming_strings off the server reads a backslash in '...' as an escape.
+        if name == "SCONST" and sql[t.start] == "'" and "\\" in sql[t.start:t.end + 1] and \
+                quoted_end(sql, t.start, "'", True) != t.end + 1:
+            raise Unreadable("postgres", f"the literal at character {t.start + 1} ends elsewhere when "
+                                         "standard_conforming_strings is off; write it as an E'...' string")
         if name == "ASCII_58" and k + 1 < len(tokens) and tokens[k + 1].start == t.end + 1:
             m = _marker_at(sql, t.start, tokens[k + 1].end + 1, "postgres")
             if m is not None:
@@ -105,103 +106,11 @@ def _pg_markers(sql: str) -> tuple[tuple[int, int, str], ...]:
     return tuple(out)
 
 
-def _quoted_end(sql: str, i: int, q: str, backslash: bool) -> int:
-    """End (exclusive) of the quoted token opening at i; -1 when it does not end."""
-    n = len(sql)
-    j = i + 1
-    while j < n:
-        c = sql[j]
-        if backslash and c == "\\":
-            j += 2
-            continue
-        if c == q:
-            if j + 1 < n and sql[j + 1] == q:
-                j += 2
-                continue
-            return j + 1
-        j += 1
-    return -1
-
-
-# ---- MySQL / MariaDB ------------------------------------------------------------------------------------
-_SPACE = frozenset(" \t\n\r\f\v")
-
-
-def _my_word(c: str) -> bool:
-    return c.isascii() and (c.isalnum() or c in "_$") or "\u0080" <= c <= "\uffff"
-
-
-def mysql_tokens(sql: str, backslash: bool) -> tuple[tuple[str, int, int], ...]:
-    """(kind, start, end) tokens by MySQL/MariaDB's lexical rules (sql_lex.cc): kind is str ('...'),
-    dq ("..."), ident (`...`), comment, colon, word, op. backslash: whether \\ escapes in strings
-    (NO_BACKSLASH_ESCAPES off)."""
-    out = []
-    i, n = 0, len(sql)
-    while i < n:
-        c = sql[i]
-        if c in _SPACE:
-            i += 1
-        elif c in "'\"`":
-            j = _quoted_end(sql, i, c, backslash and c != "`")
-            if j < 0:
-                raise Unreadable("mysql", f"the quoted text at character {i + 1} does not end")
-            out.append(({"'": "str", '"': "dq", "`": "ident"}[c], i, j))
-            i = j
-        elif c == "#" or (c == "-" and sql.startswith("--", i) and (
-                i + 2 >= n or sql[i + 2] in _SPACE or ord(sql[i + 2]) < 32 or ord(sql[i + 2]) == 127)):
-            j = sql.find("\n", i)
-            j = n if j < 0 else j
-            out.append(("comment", i, j))
-            i = j
-        elif c == "/" and sql.startswith("/*", i):
-            if sql[i + 2:i + 3] == "!" or sql[i + 2:i + 4] in ("M!", "m!"):
-                raise Unreadable("mysql", "executable comments (/*! ... */, /*M! ... */) run text the analysis "
-                                          "cannot see; write the SQL without them")
-            j = sql.find("*/", i + 2)
-            if j < 0:
-                raise Unreadable("mysql", f"the comment at character {i + 1} does not end")
-            if "/*" in sql[i + 2:j]:
-                raise Unreadable("mysql", "a comment inside a comment")
-            out.append(("comment", i, j + 2))
-            i = j + 2
-        elif c == ":":
-            if sql.startswith(":=", i):
-                out.append(("op", i, i + 2))
-                i += 2
-            else:
-                out.append(("colon", i, i + 1))
-                i += 1
-        elif c == "?":
-            raise Unreadable("mysql", "? is a placeholder; name parameters as :name")
-        elif _my_word(c):
-            j = i + 1
-            while j < n and _my_word(sql[j]):
-                j += 1
-            out.append(("word", i, j))
-            i = j
-        else:
-            out.append(("op", i, i + 1))
-            i += 1
-    return tuple(out)
-
-
 def _mysql_markers(sql: str) -> tuple[tuple[int, int, str], ...]:
     try:
-        tokens = mysql_tokens(sql, True)
-    except Unreadable:
-        tokens = None
-    if tokens is None or any(kind in ("str", "dq") and "\\" in sql[a:b] for kind, a, b in tokens):
-        try:
-            other = mysql_tokens(sql, False)
-        except Unreadable:
-            other = None
-        if tokens is None and other is None:
-            mysql_tokens(sql, True)     # raises the first reading's reason
-    else:
-        other = tokens
-    if other != tokens:
-        raise Unreadable("mysql", "a backslash in a string makes it end elsewhere when the server's sql_mode has "
-                                  "NO_BACKSLASH_ESCAPES; write the text without a backslash before a quote")
+        tokens = mysql_read(sql)
+    except LexError as exc:
+        raise Unreadable("mysql", exc.why) from None
     return _markers_from(sql, tokens, "mysql")
 
 
@@ -216,71 +125,11 @@ def _markers_from(sql, tokens, dialect):
 
 
 # ---- SQLite ---------------------------------------------------------------------------------------------
-def _sqlite_idchar(c: str) -> bool:
-    return c.isascii() and (c.isalnum() or c in "_$") or ord(c) >= 0x80
-
-
-def sqlite_tokens(sql: str) -> tuple[tuple[str, int, int], ...]:
-    """(kind, start, end) tokens by SQLite's tokenizer (tokenize.c): str, ident ("...", `...`, [...]),
-    comment, var (:name, @name, $name, ?NNN), word, op."""
-    out = []
-    i, n = 0, len(sql)
-    while i < n:
-        c = sql[i]
-        if c in _SPACE:
-            i += 1
-        elif c in "'\"`":
-            j = _quoted_end(sql, i, c, False)
-            if j < 0:
-                raise Unreadable("sqlite", f"the quoted text at character {i + 1} does not end")
-            out.append(("str" if c == "'" else "ident", i, j))
-            i = j
-        elif c == "[":
-            j = sql.find("]", i + 1)
-            if j < 0:
-                raise Unreadable("sqlite", f"the [name] at character {i + 1} does not end")
-            out.append(("ident", i, j + 1))
-            i = j + 1
-        elif c == "-" and sql.startswith("--", i):
-            j = sql.find("\n", i)
-            j = n if j < 0 else j
-            out.append(("comment", i, j))
-            i = j
-        elif c == "/" and sql.startswith("/*", i):
-            j = sql.find("*/", i + 2)
-            j = n if j < 0 else j + 2      # SQLite ends an unterminated comment at the end of the text
-            out.append(("comment", i, j))
-            i = j
-        elif c in ":@$#?":
-            j = i + 1
-            if c == "?":
-                while j < n and sql[j].isascii() and sql[j].isdigit():
-                    j += 1
-            else:
-                while j < n and _sqlite_idchar(sql[j]):
-                    j += 1
-            if c == ":" and j > i + 1:
-                out.append(("colon", i, i + 1))
-                out.append(("word", i + 1, j))
-            elif c != "#" or j > i + 1:
-                out.append(("var", i, j))
-            else:
-                out.append(("op", i, j))
-            i = j
-        elif _sqlite_idchar(c):
-            j = i + 1
-            while j < n and _sqlite_idchar(sql[j]):
-                j += 1
-            out.append(("word", i, j))
-            i = j
-        else:
-            out.append(("op", i, i + 1))
-            i += 1
-    return tuple(out)
-
-
 def _sqlite_markers(sql: str) -> tuple[tuple[int, int, str], ...]:
-    tokens = sqlite_tokens(sql)
+    try:
+        tokens = sqlite_tokens(sql)
+    except LexError as exc:
+        raise Unreadable("sqlite", exc.why) from None
     for kind, a, b in tokens:
         if kind == "var":
             raise Unreadable("sqlite", f"SQLite reads {sql[a:b]!r} as a parameter; name parameters as :name")
@@ -302,10 +151,7 @@ def _generic_markers(sql: str, dialect: str) -> list[tuple[int, int, str]]:
             i = _skip_quoted(sql, i, c, backslash)
         elif c == '"' or c == "`":
             i = _skip_quoted(sql, i, c, False)
-        elif c == "-" and sql.startswith("--", i):
-            j = sql.find("\n", i)
-            i = n if j < 0 else j + 1
-        elif c == "#" and dialect == "mysql":
+        elif (c == "-" and sql.startswith("--", i)) or (c == "#" and dialect == "mysql"):
             j = sql.find("\n", i)
             i = n if j < 0 else j + 1
         elif c == "/" and sql.startswith("/*", i):
@@ -377,7 +223,10 @@ def _mysql_driver_sql(sql: str, markers) -> str:
     at = {m[0]: m for m in markers}
     out = []
     pos = 0
-    tokens = mysql_tokens(sql, True)
+    try:
+        tokens = mysql_tokens(sql, True)
+    except LexError as exc:
+        raise Unreadable("mysql", exc.why) from None
     k = 0
     while k < len(tokens):
         kind, a, b = tokens[k]

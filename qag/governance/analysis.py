@@ -14,7 +14,7 @@ import sqlglot
 from sqlglot import exp
 from sqlglot.errors import SqlglotError
 
-from . import pgparse
+from . import lexers, pgparse
 from .errors import GovernanceError
 
 # sqlglot logs a warning whenever it falls back to exp.Command; we handle that case ourselves.
@@ -256,13 +256,62 @@ def _analyze_cached(sql: str, dialect: str) -> Analysis:
         a.reading = reading
         _pg_function_checks(a, reading)
         return a
+    alt = _mysql_ansi_reading(sql) if dialect == "mysql" else None
     tree = _parse_one(sql, dialect)
     a = _classify(sql, dialect, tree)
+    if alt is not None:
+        _merge_ansi_reading(a, alt)
     if dialect == "mysql" and _MYSQL_SESSION_HINT.search(sql):
         a.is_write, a.write_ops = True, a.write_ops | {"set"}
     if dialect == "mysql" and _MYSQL_SONAME.search(sql):
         a.unsafe = a.unsafe + ("SONAME",)   # CREATE FUNCTION ... SONAME / INSTALL PLUGIN load a shared library
     return a
+
+
+@functools.lru_cache(maxsize=2048)
+def _mysql_ansi_reading(sql: str) -> str | None:
+    """MySQL/MariaDB by the server's own token rules (lexers.mysql_read: refused when the statement reads
+    differently with NO_BACKSLASH_ESCAPES, holds an executable comment, a nested comment or a ? placeholder;
+    two statements by the server's reading are two). Returns the statement as a server with ANSI_QUOTES in
+    its sql_mode reads it ("x" a name, re-spelled `x`) when it has double-quoted text, else None."""
+    try:
+        tokens = lexers.mysql_read(sql)
+    except lexers.LexError as exc:
+        raise GovernanceError(400, "invalid_sql", "qag cannot read this MySQL/MariaDB statement exactly as the "
+                                                  f"server would: {exc.why}") from None
+    code = [t for t in tokens if t[0] != "comment"]
+    for k, (kind, a, b) in enumerate(code):
+        if kind == "op" and sql[a:b] == ";" and any(sql[x:y] != ";" for _, x, y in code[k + 1:]):
+            raise GovernanceError(400, "multiple_statements", "the SQL holds more than one statement (as MySQL "
+                                                              "reads it); a query must be exactly one statement")
+    if not any(kind == "dq" for kind, _, _ in tokens):
+        return None
+    out, pos = [], 0
+    for kind, a, b in tokens:
+        if kind == "dq":
+            name = sql[a + 1:b - 1].replace('""', '"')
+            out += [sql[pos:a], "`", name.replace("`", "``"), "`"]
+            pos = b
+    out.append(sql[pos:])
+    return "".join(out)
+
+
+def _merge_ansi_reading(a: Analysis, alt_sql: str) -> None:
+    """Govern both readings of "x" (text, or with ANSI_QUOTES a name): tables, unsafe parts and writes of
+    either, and lineage of either per output column (lineage.Lineage.outputs reads tree.meta["qag_alt"])."""
+    try:
+        b = _classify(alt_sql, a.dialect, _parse_one(alt_sql, a.dialect))
+    except GovernanceError:
+        return      # not SQL when "x" is a name: a server with ANSI_QUOTES refuses it
+    a.table_refs = tuple(dict.fromkeys(a.table_refs + b.table_refs))
+    a.unsafe = tuple(dict.fromkeys(a.unsafe + b.unsafe))
+    a.from_funcs = tuple(dict.fromkeys(a.from_funcs + b.from_funcs))
+    if b.write_ops - a.write_ops:
+        a.write_ops = a.write_ops | b.write_ops
+    a.is_write = a.is_write or b.is_write
+    a.opaque = a.opaque or b.opaque
+    if isinstance(a.tree, exp.Expression) and isinstance(b.tree, exp.Expression):
+        a.tree.meta["qag_alt"] = b.tree
 
 
 def _pg_norm(ident) -> str:
@@ -325,9 +374,15 @@ def called_functions(sql: str, dialect: str, columns_of=None, default_schema=Non
 def _called_cached(sql: str, dialect: str) -> tuple[tuple[str | None, str], ...]:
     if dialect == "postgres":
         return analyze(sql, dialect).reading.functions
-    tree = _parse_one(sql, dialect)
+    trees = [_parse_one(sql, dialect)]
+    alt = _mysql_ansi_reading(sql) if dialect == "mysql" else None
+    if alt is not None:
+        try:
+            trees.append(_parse_one(alt, dialect))
+        except GovernanceError:
+            pass
     out = []
-    for node in tree.find_all(exp.Anonymous):
+    for node in (n for t in trees for n in t.find_all(exp.Anonymous)):
         qualifier = None
         parent = node.parent
         if isinstance(parent, exp.Dot) and parent.expression is node:

@@ -59,12 +59,12 @@ _COMPOSITE_NODES = tuple(c for c in (getattr(exp, n, None) for n in (
     "Tuple", "Array", "ArrayAgg", "Struct", "JSONObject", "JSONObjectAgg", "JSONArray", "JSONArrayAgg",
     "ArrayConcat", "ArrayAppend", "ArrayPrepend", "Map", "VarMap", "ToMap", "JSONBObjectAgg", "ArrayUniqueAgg",
     "GroupConcat")) if c is not None)
-_COMPOSITE_FUNCS = frozenset("""
+_COMPOSITE_FUNCS = frozenset(str.split("""
     row to_json to_jsonb row_to_json array_to_json json_agg jsonb_agg json_object_agg jsonb_object_agg
     json_build_object jsonb_build_object json_build_array jsonb_build_array json_object jsonb_object array_agg
     hstore xmlforest xmlelement xmlagg xmlconcat json_array json_arrayagg json_objectagg json_strip_nulls
     jsonb_strip_nulls jsonb_insert jsonb_set json_populate_record jsonb_populate_record record_out
-    """.split())
+    """))
 
 
 def _ident(name):
@@ -142,8 +142,17 @@ class Lineage:
 
     # ---- entry point -------------------------------------------------------------------------------------
     def outputs(self, tree):
-        """list[(name, lineage)] per output position, or Unknown."""
-        return self.query(tree, {}, None)
+        """list[(name, lineage)] per output position, or Unknown. A MySQL statement with "..." text carries
+        the reading of a server with ANSI_QUOTES ("x" a name) in tree.meta["qag_alt"]: both count."""
+        out = self.query(tree, {}, None)
+        alt = tree.meta.get("qag_alt") if isinstance(tree, exp.Expression) else None
+        if alt is not None:
+            other = self.query(alt, {}, None)
+            if isinstance(out, Unknown) or isinstance(other, Unknown) or len(out) != len(other):
+                return Unknown(self.flat(out) | self.flat(other), 'MySQL reads "..." as text, or with ANSI_QUOTES '
+                                                                  "as a name, and the two readings differ in shape")
+            out = [(n, lin | olin) for (n, lin), (_, olin) in zip(out, other)]
+        return out
 
     def columns_of(self, table):
         if table not in self._cols_cache:

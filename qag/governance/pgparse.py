@@ -62,7 +62,7 @@ def read(sql: str) -> Reading:
     except ParseError as exc:
         raise GovernanceError(400, "invalid_sql", f"PostgreSQL cannot parse the SQL ({str(exc).splitlines()[0][:200]}); "
                                                   "fix the statement") from None
-    except Exception as exc:  # anything else the parser raises is still a refusal, never a 500
+    except Exception as exc:  # noqa: BLE001 - anything else the parser raises is still a refusal, never a 500
         raise _refuse(f"{type(exc).__name__}") from None
     stmts = [s for s in stmts if s.stmt is not None]
     if not stmts:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from qag import config, connectors, params as P
+from qag import config, connectors
+from qag import params as P
+from qag.governance import GovernanceError, apply_transforms, plan_governance
 from tests.conftest import mysql_exec, pg_exec, pg_fresh_db
 
 CFG = config.load({"QAG_QUERY_TIMEOUT": "5", "QAG_CONNECT_TIMEOUT": "2"})
@@ -78,8 +80,6 @@ def test_mysql_marker_inside_literal_and_comments_is_not_bound(my):
 
 
 # ---- governance on what the servers really run ----------------------------------------------------------
-from qag.governance import GovernanceError, apply_transforms, plan_governance  # noqa: E402
-
 KEY = b"govparse-key"
 GOV_DB = "qag_govparse_gov"
 

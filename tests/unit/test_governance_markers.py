@@ -7,7 +7,8 @@ from __future__ import annotations
 import sqlite3
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from qag import params as P
 from qag.errors import ApiError
