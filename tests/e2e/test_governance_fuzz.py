@@ -292,9 +292,11 @@ def make_env(srv, sqlite_path, label) -> Env:
     e = Env(srv, sqlite_path)
     e.label = label
     e.post("/api/v1/connections", {"name": "pgfz", "db": "postgres", "host": "127.0.0.1", "port": 5432,
-                                   "user": "postgres", "database": PG_DB})
+                                   "user": "postgres", "database": PG_DB,
+                                   "options": {"allow_superuser": True}})  # governed keys on a superuser (S8)
     e.post("/api/v1/connections", {"name": "myfz", "db": "mysql", "host": MYSQL["host"], "port": MYSQL["port"],
-                                   "user": MYSQL["user"], "password": MYSQL["password"], "database": MY_DB})
+                                   "user": MYSQL["user"], "password": MYSQL["password"], "database": MY_DB,
+                                   "options": {"allow_superuser": True}})
     e.post("/api/v1/connections", {"name": "slfz", "db": "sqlite", "database": sqlite_path})
     conns = list(e.conn_name.values())
     e.keys = {
@@ -572,7 +574,7 @@ def state_violations(env, d, where) -> list[tuple[str, str]]:
         # reset the pool (so one leak is reported once): new connections come with the next generation, and the
         # old sessions (which may hold a lock) are ended
         env.http.patch(env.srv.base + "/api/v1/connections/" + env.conn_name[d], headers={**env.admin, **J},
-                       data=json.dumps({"options": {"fz_reset": next(env.n)}}))
+                       data=json.dumps({"options": {"fz_reset": next(env.n), "allow_superuser": True}}))
         end_sessions(d)
         r = env.get("/q/fz_warm_" + d, env.keys["gov"])  # the new generation's introspection, before the next call
         assert r.status_code == 200, r.text
