@@ -388,3 +388,43 @@ def test_clickhouse_store_away_longer_than_the_rings_hold():
             srv.stop()
         ch.stop()
         shutil.rmtree(ch.dir, ignore_errors=True)
+
+
+def test_past_the_journals_bound_runs_are_lost_counted_and_logged_never_waited_for():
+    """A journal bound of 64 KiB (a few hundred runs) and the store locked: once journal and rings are
+    full, runs are lost, each counted in qag_runs_lost_total, the episode logged once with its reason;
+    calls still answer at once; afterwards recorded + lost = answered."""
+    import sqlite3
+
+    srv = start_server({**SMALL, "QAG_JOURNAL_MAX_BYTES": str(64 << 10)})
+    lock = {}
+    try:
+        key = setup(srv)
+        path = os.path.join(srv.env["QAG_HOME"], "runs.db")
+        with Caller(srv, key) as calls:
+            wait_for(lambda: calls.count() > 100, what="calls")
+            c = sqlite3.connect(path, isolation_level=None, timeout=30)
+            c.execute("BEGIN EXCLUSIVE")
+            lock["c"] = c
+            wait_for(lambda: metric(srv, "qag_journal_full") == 1, what="the journal full")
+            wait_for(lambda: metric(srv, "qag_runs_lost_total", 0) > 100, what="runs lost")
+            lock.pop("c").execute("ROLLBACK")
+            wait_for(lambda: metric(srv, "qag_journal_runs") == 0 and metric(srv, "qag_journal_full") == 0,
+                     what="the journal drained")
+            time.sleep(0.5)
+        answers = calls.answers
+        assert all(a[1] == 200 for a in answers)
+        slow = [a for a in answers if a[2] > 1.0]
+        assert not slow, f"{len(slow)} calls took over 1 s"
+        lost = metric(srv, "qag_runs_lost_total")
+        runs = history(srv, expect=len(answers) - int(lost))
+        rids = [x["request_id"] for x in runs]
+        assert len(rids) == len(set(rids)) and set(rids) <= {a[0] for a in answers}
+        assert len(rids) + lost == len(answers)
+        log = srv.log()
+        assert "runs are being lost (qag_runs_lost_total): the recorder's run journal is full" in log
+        assert log.count("runs are being lost") <= 3  # once per episode per ring (2 workers, the plane)
+    finally:
+        if "c" in lock:
+            lock["c"].close()
+        srv.stop()
