@@ -122,6 +122,7 @@ class _Drainer:
         self.synced = False
         self.inflight = None      # (prepared batch, journal position after it, runs) whose commit failed
         self.src_pos: dict = {}
+        self.last_event_id = 0
 
     def step(self, max_runs: int) -> tuple[int, int]:
         """Commit the next frames (whole ones, up to max_runs runs). Returns (journal position, runs)."""
@@ -198,7 +199,8 @@ class _Drainer:
             return end, 0
         batch = store.prepare(journal.source, chunks)
         self.inflight = (batch, end, n)
-        store.commit(batch)
+        _first, last, _n = store.commit(batch)
+        self.last_event_id = max(self.last_event_id, last or 0)
         self.inflight = None
         self.pos = end
         return end, n
@@ -529,6 +531,7 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
                         journal.mark_drained(pos)
                         state.records += n
                         state.drained += n
+                        state.last_event_id = max(state.last_event_id, drainer.last_event_id)
                         state.batches += 1 if n else 0
                         state.journal_runs = journal.pending_runs
                         state.journal_bytes = journal.pending_bytes

@@ -221,3 +221,21 @@ def test_a_full_journal_leaves_the_rest_in_the_rings_and_loses_nothing_itself(tm
         t.join(20)
     ids = store.request_ids()
     assert ids == [f"a0-{i}" for i in range(2000)]
+
+
+@pytest.mark.parametrize("url", ["postgresql://postgres@127.0.0.1:{port}/postgres", "http://127.0.0.1:{port}"])
+def test_history_and_usage_answer_503_store_unavailable_when_the_run_store_cannot_be_reached(app_client, url):
+    from tests.conftest import free_port
+
+    app_client.app_obj.run_store_url = url.format(port=free_port())  # nothing listens there
+    for path in ("/api/v1/history", "/api/v1/usage"):
+        r = app_client.simulate_get(path, headers={"X-API-Key": "adm"})
+        assert r.status_code == 503, (path, r.status_code, r.text)
+        assert r.json["code"] == "store_unavailable" and r.json["request_id"]
+        assert "run store" in r.json["error"] and r.headers.get("Retry-After")
+
+
+def test_history_with_a_bad_filter_is_still_400(app_client, tmp_path):
+    app_client.app_obj.run_store_url = str(tmp_path / "runs.db")
+    r = app_client.simulate_get("/api/v1/history", params={"since": "yesterday"}, headers={"X-API-Key": "adm"})
+    assert r.status_code == 400 and r.json["code"] == "invalid_filter"
