@@ -36,7 +36,7 @@ COPY shm/ shm/
 # Every dependency ships manylinux wheels for CPython 3.11, so no compiler is needed in this image.
 # Versions are the ranges of setup.cfg: the image installs the project, as `pip install .` anywhere would.
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir '.[server,postgres,mysql,clickhouse,formats]' \
+RUN pip install --no-cache-dir '.[server,postgres,mysql,clickhouse,formats,mcp]' \
  && rm -rf /build
 
 COPY --from=plane /out/qag-plane /usr/local/bin/qag-plane

@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 venv:
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[server,postgres,mysql,clickhouse,formats,dev]'
+	$(PY) -m pip install -q -e '.[server,postgres,mysql,clickhouse,formats,mcp,dev]'
 
 OHA_VERSION := 1.16.0
 

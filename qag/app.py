@@ -169,6 +169,8 @@ class DataResource:
             principal = req.env.get("qag.console_principal") or rt.authenticate_caller(
                 req.get_header("X-API-Key"), req.get_header("Authorization"), client_addr(req))
             run["key_name"] = None if principal.admin else principal.caller
+            if req.get_header("X-Qag-Via") == "mcp" and client_addr(req) in ("127.0.0.1", "::1"):
+                run["served_by"], run["transport"] = "mcp", "mcp"   # a tool call of `qag mcp` on this host
             limits = rt.check_rate(principal)
             if limits is not None:
                 for hk, hv in limits.headers.items():

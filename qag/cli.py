@@ -145,8 +145,18 @@ def main(argv=None) -> int:
     st = shsub.add_parser("stat")
     st.add_argument("--name", help="segment name (default: this instance's)")
     sh.set_defaults(fn=cmd_shm)
+    mc = sub.add_parser("mcp", help="an MCP server (streamable HTTP at /mcp) in front of a running qag serve")
+    mc.add_argument("--bind", default="127.0.0.1:8090", help="HOST:PORT for MCP clients (default 127.0.0.1:8090)")
+    mc.add_argument("--upstream", default=None, help="the qag instance's URL (default http://QAG_BIND)")
+    mc.set_defaults(fn=cmd_mcp)
     args = p.parse_args(argv)
     return args.fn(args) or 0
+
+
+def cmd_mcp(args) -> int:
+    from qag import config, mcpserver
+    upstream = args.upstream or "http://" + config.load().bind
+    return mcpserver.main(args.bind, upstream)
 
 
 if __name__ == "__main__":

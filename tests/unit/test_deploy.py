@@ -258,7 +258,7 @@ def test_pip_install_names_existing_extras():
     m = re.search(r"'\.\[([a-z0-9_,-]+)\]'", runs[0])
     assert m, "pip install '.[extras]' from the copied source"
     named = set(m.group(1).split(","))
-    assert named == {"server", "postgres", "mysql", "clickhouse", "formats"}
+    assert named == {"server", "postgres", "mysql", "clickhouse", "formats", "mcp"}
     assert named <= _extras(), f"extras missing from setup.cfg: {named - _extras()}"
     assert "--no-cache-dir" in runs[0]
 
