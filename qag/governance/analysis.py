@@ -19,6 +19,7 @@ from .errors import GovernanceError
 
 # sqlglot logs a warning whenever it falls back to exp.Command; we handle that case ourselves.
 logging.getLogger("sqlglot").setLevel(logging.ERROR)
+_log = logging.getLogger("qag.governance")
 
 DIALECTS = {
     "postgres": "postgres", "postgresql": "postgres", "pg": "postgres",
@@ -233,7 +234,20 @@ class Analysis:
 def analyze(sql: str, dialect: str) -> Analysis:
     """Parse exactly one statement and classify it; raises GovernanceError (400 multiple_statements,
     400 invalid_sql, 403 unsafe_function for file-reaching forms sqlglot cannot parse)."""
-    return _analyze_cached(sql, canonical_dialect(dialect))
+    d = canonical_dialect(dialect)
+    try:
+        return _analyze_cached(sql, d)
+    except GovernanceError:
+        raise
+    except RecursionError:
+        raise GovernanceError(400, "invalid_sql", "the statement is nested too deeply to analyse") from None
+    except Exception as exc:  # noqa: BLE001 - failing closed is a refusal naming the reason, never a 500
+        if hasattr(exc, "status"):
+            raise
+        _log.exception("analysis of a %s statement failed", d)
+        raise GovernanceError(400, "invalid_sql", f"qag could not analyse this statement ({type(exc).__name__}: "
+                                                  f"{str(exc)[:120]}); it is refused rather than run unchecked") \
+            from None
 
 
 @functools.lru_cache(maxsize=2048)

@@ -7,6 +7,8 @@ caller refuses with mask_unresolvable when a rule might apply.
 
 from __future__ import annotations
 
+import logging
+
 from sqlglot import exp
 
 from .analysis import func_name, normalize_identifier
@@ -28,6 +30,7 @@ from .analysis import func_name, normalize_identifier
 # SQLite compare column names without case, and a MySQL table alias that could be either of two FROM
 # items (aliases are case-sensitive, or not, with lower_case_table_names) counts as both.
 EMPTY: frozenset = frozenset()
+_log = logging.getLogger("qag.governance")
 _QUERY = (exp.Select, exp.SetOperation, exp.Subquery, exp.Values)
 _DML = (exp.Insert, exp.Update, exp.Delete, exp.Merge)
 _MAX_ROUNDS = 8
@@ -144,6 +147,17 @@ class Lineage:
     def outputs(self, tree):
         """list[(name, lineage)] per output position, or Unknown. A MySQL statement with "..." text carries
         the reading of a server with ANSI_QUOTES ("x" a name) in tree.meta["qag_alt"]: both count."""
+        try:
+            return self._outputs(tree)
+        except RecursionError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - an untraceable statement is refused (403), never a 500
+            if hasattr(exc, "status"):
+                raise     # a domain error (the catalogue's connection failed, ...): the caller maps it
+            _log.exception("lineage failed")
+            return Unknown({("?", type(exc).__name__)}, f"qag could not trace them: {type(exc).__name__}")
+
+    def _outputs(self, tree):
         out = self.query(tree, {}, None)
         alt = tree.meta.get("qag_alt") if isinstance(tree, exp.Expression) else None
         if alt is not None:
