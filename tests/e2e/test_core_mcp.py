@@ -106,5 +106,10 @@ def test_tools_are_the_callers_queries_and_calls_are_governed_and_recorded(stack
 def test_no_key_no_tools(stack):
     async def tools(c):
         return await c.list_tools()
-    with pytest.raises(Exception):
+    from mcp.shared.exceptions import MCPError
+    with pytest.raises(BaseException) as refused:   # the SDK raises MCPError, inside its task group's group
         run(stack["url"], {"X-API-Key": "sk_wrong"}, tools)
+    errors = [refused.value]
+    while errors and isinstance(errors[0], BaseExceptionGroup):
+        errors = list(errors[0].exceptions)
+    assert isinstance(errors[0], MCPError) and "API key" in errors[0].message, refused.value
