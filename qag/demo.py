@@ -122,6 +122,12 @@ Try:
   curl -s '{base}/q/customer?id=abc' -H 'X-API-Key: {keys['demo']}'
   curl -s {base}/api/v1/queries -H 'X-API-Key: {cfg.admin_key}'
   curl -s {base}/metrics
+  curl -s '{base}/q/customer?id=1&format=xlsx' -H 'X-API-Key: {keys['demo']}' -o customer.xlsx
+  curl -s {base}/catalog -H 'X-API-Key: {keys['demo']}'
+
+In a browser:
+  {base}/console   the Console: sign in with the administrator key above
+  {base}/docs      the API reference (OpenAPI 3.1 at {base}/openapi.json)
 """, flush=True)
     if args.no_serve:
         return 0
