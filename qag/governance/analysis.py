@@ -267,6 +267,7 @@ def _analyze_cached(sql: str, dialect: str) -> Analysis:
         a.sql = sql
         if not isinstance(a.tree, exp.Command):
             pgparse.cross_check(reading, a.tree if a.explain else tree, _pg_norm)
+            pgparse.check_outputs(reading.stmt, a.tree, _pg_norm)
         a.reading = reading
         _pg_function_checks(a, reading)
         return a

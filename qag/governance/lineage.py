@@ -733,8 +733,8 @@ def _exact(e) -> bool:
         return True          # a scalar subquery passes its one value; that value's lineage says how it was made
     if isinstance(e, exp.Dot) and isinstance(e.this, exp.Paren) and isinstance(e.this.this, exp.Column):
         return True          # (x).f: a field of a row (a call f(x) is a whole-row value, "w", whatever this says)
-    if isinstance(e, exp.Window):
-        return _exact(e.this)    # PARTITION BY / ORDER BY choose the row, not the value
+    if isinstance(e, (exp.Window, exp.Filter, exp.Collate)):
+        return _exact(e.this)    # PARTITION BY / ORDER BY / FILTER choose rows, COLLATE an order: not the value
     if isinstance(e, exp.Case):
         return all(_exact(i.args.get("true")) for i in e.args.get("ifs") or []) and \
             (e.args.get("default") is None or _exact(e.args["default"])) and e.this is None

@@ -569,6 +569,67 @@ def cross_check(reading: Reading, tree, normalize) -> None:
             raise _refuse(f"the lineage parser does not see the column reference {'.'.join(fields)}")
 
 
+def _pg_refs(node) -> set:
+    """(qualifier, name) of every ColumnRef under a node (subqueries included)."""
+    out = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, tuple):
+            stack.extend(n)
+            continue
+        if not isinstance(n, pg_ast.Node):
+            continue
+        if isinstance(n, pg_ast.ColumnRef):
+            f = _strs(n.fields)
+            out.add((f[-2] if len(f) > 1 else None, f[-1]))
+            continue
+        stack.extend(getattr(n, name) for name in n.__slots__)
+    return out
+
+
+def _sg_refs(node, normalize) -> set:
+    out = set()
+    for c in node.find_all(exp.Column):
+        q = c.args.get("table")
+        name = "*" if isinstance(c.this, exp.Star) else (normalize(c.this) if isinstance(c.this, exp.Identifier)
+                                                         else str(c.name))
+        out.add((normalize(q) if isinstance(q, exp.Identifier) else None, name))
+        out.add((None, name))
+    if isinstance(node, exp.Star) or any(True for _ in node.find_all(exp.Star)):
+        out.add((None, "*"))
+    return out
+
+
+def check_outputs(stmt, tree, normalize) -> None:
+    """The output columns, position by position: the same number in both parses, and every column reference
+    PostgreSQL reads in an output expression is in sqlglot's expression at that position (masking is decided
+    per position, so a column sqlglot placed elsewhere would be masked in the wrong place)."""
+    if isinstance(stmt, pg_ast.ExplainStmt):
+        return
+    if not isinstance(stmt, pg_ast.SelectStmt):
+        return
+    if int(stmt.op or 0) != 0:
+        if not isinstance(tree, exp.SetOperation):
+            raise _refuse("PostgreSQL reads a set operation where the lineage parser does not")
+        check_outputs(stmt.larg, tree.left, normalize)
+        check_outputs(stmt.rarg, tree.right, normalize)
+        return
+    while isinstance(tree, exp.Subquery):
+        tree = tree.this
+    if stmt.valuesLists is not None or not isinstance(tree, exp.Select):
+        return
+    targets = stmt.targetList or ()
+    if len(targets) != len(tree.expressions):
+        raise _refuse(f"PostgreSQL reads {len(targets)} output columns where the lineage parser reads "
+                      f"{len(tree.expressions)}")
+    for i, (t, e) in enumerate(zip(targets, tree.expressions), 1):
+        missing = _pg_refs(t.val) - _sg_refs(e, normalize)
+        if missing:
+            raise _refuse(f"output column {i} reads {', '.join(sorted('.'.join(x for x in m if x) for m in missing))} "
+                          "in PostgreSQL's parse but not in the lineage parser's")
+
+
 def _fmt(rel) -> str:
     s, n = rel
     return f"{s}.{n}" if s else str(n)
