@@ -95,13 +95,17 @@ def respell(sql: str, tokens) -> str:
         name = t.name
         if name in ("UIDENT", "USCONST"):
             esc = "\\"
-            if k + 2 < n and tokens[k + 1].name == "UESCAPE" and tokens[k + 2].name == "SCONST":
-                lit = sql[tokens[k + 2].start:tokens[k + 2].end + 1]
+            # UESCAPE 'c' may follow after comments; they go with it
+            j = k + 1
+            while j < n and tokens[j].name in ("C_COMMENT", "SQL_COMMENT"):
+                j += 1
+            if j + 1 < n and tokens[j].name == "UESCAPE" and tokens[j + 1].name == "SCONST":
+                lit = sql[tokens[j + 1].start:tokens[j + 1].end + 1]
                 if len(lit) != 3 or lit[0] != "'" or lit[2] != "'":
                     raise _refuse(f"UESCAPE {lit} is not one character in quotes")
                 esc = lit[1]
-                b = tokens[k + 2].end + 1
-                k += 2
+                b = tokens[j + 1].end + 1
+                k = j + 1
             body = _unquote(text[2:], text[2])
             value = decode_unicode_escapes(body, esc)
             if name == "UIDENT":
