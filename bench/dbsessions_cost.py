@@ -3,7 +3,7 @@
 S5 checks) cost one read, in-process: the lookup of the seeds through Connector.run, the current module against
 another copy of it (default: the one at git revision BASE), alternating rounds, PostgreSQL and MariaDB.
 
-    PYTHONPATH=. python bench/dbsessions_cost.py [--base ced8fc5] [--calls 3000] [--rounds 5]
+    PYTHONPATH=. python bench/dbsessions_cost.py [--base 0abf9db] [--calls 3000] [--rounds 5]
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def per_call(conn, sql: str, n: int, **kw) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--base", default="ced8fc5")
+    ap.add_argument("--base", default="0abf9db")
     ap.add_argument("--calls", type=int, default=3000)
     ap.add_argument("--rounds", type=int, default=5)
     a = ap.parse_args()
@@ -83,15 +83,20 @@ def main() -> None:
         free = connectors.state_free(sql.replace("%s", "NULL"), row["db"])
         per_call(new, sql, 200, state_free=free)
         per_call(old, sql, 200)
-        res: dict[str, list[tuple[float, float]]] = {"base": [], "now": []}
-        for _ in range(a.rounds):
-            res["base"].append(per_call(old, sql, a.calls))
-            res["now"].append(per_call(new, sql, a.calls, state_free=free))
+        res: dict[str, list[tuple[float, float]]] = {"base": [], "now": [], "reset": []}
+        for r in range(a.rounds):  # alternating, the order reversed every other round
+            order = ("base", "now", "reset") if r % 2 else ("reset", "now", "base")
+            for k in order:
+                if k == "base":
+                    res[k].append(per_call(old, sql, a.calls))
+                else:
+                    res[k].append(per_call(new, sql, a.calls, state_free=free and k == "now"))
         for i, what in ((0, "wall"), (1, "cpu ")):
             b = statistics.median(r[i] for r in res["base"])
-            n = statistics.median(r[i] for r in res["now"])
-            print(f"{row['db']:8s} {what} state_free={free}  base {b:7.1f} us/read  now {n:7.1f} us/read  "
-                  f"({(n - b) / b * 100:+.1f}%, {n - b:+.1f} us)")
+            for k, label in (("now", f"now (state_free={free})"), ("reset", "now, reset after each (not proven)")):
+                n = statistics.median(r[i] for r in res[k])
+                print(f"{row['db']:8s} {what} base {b:7.1f} us/read  {label}: {n:7.1f} us/read "
+                      f"({(n - b) / b * 100:+.1f}%, {n - b:+.1f} us)")
         new.close()
         old.close()
 
