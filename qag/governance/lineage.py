@@ -151,7 +151,7 @@ class Lineage:
             return self._outputs(tree)
         except RecursionError:
             raise
-        except Exception as exc:  # noqa: BLE001 - an untraceable statement is refused (403), never a 500
+        except Exception as exc:  # an untraceable statement is refused (403), never a 500
             if hasattr(exc, "status"):
                 raise     # a domain error (the catalogue's connection failed, ...): the caller maps it
             _log.exception("lineage failed")
