@@ -30,8 +30,8 @@ S4 A hung database. Every call is watched: at its limit + DEADLINE_MARGIN (1.0 s
    `connection_timeout`).
 S5 No state from one caller to the next. A statement is *state-free* when `state_free()` proves it (one
    SELECT, no INTO, no locking clause, no user-variable assignment, every function on the short list of
-   built-ins below that read nothing but their arguments); the plan carries the verdict (`Plan.state_free`,
-   plan entry field `state_free`). After a call whose statement is not proven state-free, the session
+   built-ins below that read nothing but their arguments, and no relation that is a view: its definition may
+   call anything); the plan carries the verdict (`Plan.state_free`, plan entry field `state_free`). After a call whose statement is not proven state-free, the session
    is reset before it goes back to the pool: PostgreSQL `DISCARD ALL` (settings back to the startup
    packet's, advisory locks, prepared statements, temp tables, LISTEN, cursors gone); MariaDB/MySQL
    COM_RESET_CONNECTION and S1's SET again. After every call, whatever the verdict, a session that is not

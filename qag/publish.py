@@ -47,7 +47,9 @@ def plan_entry(plan, cfg, sql_text: str) -> dict:
             "page_mode": plan.page_mode, "is_write": bool(plan.is_write), "write_ops": sorted(plan.write_ops),
             "tables": sorted(plan.tables), "gens": list(plan.gens), "cache_ttl": plan.cache_ttl,
             "default_page_size": cfg.default_page_size, "max_page_size": cfg.max_page_size,
-            "query_timeout": cfg.query_timeout}
+            "query_timeout": cfg.query_timeout,
+            # connectors S5: false means the plane resets the session after the call (PostgreSQL DISCARD ALL)
+            "state_free": bool(getattr(plan, "state_free", False))}
 
 
 def _spec(s) -> dict:

@@ -24,6 +24,7 @@ def srv():
     # a user-defined function that changes the session (a plain key may call it; governance reads it as a read)
     pg_exec(dsn, "CREATE FUNCTION sneaky(p text) RETURNS text LANGUAGE sql AS "
                  "$$ SELECT set_config('search_path', p, false) || pg_advisory_lock(4343)::text $$")
+    pg_exec(dsn, "CREATE VIEW settings_view AS SELECT set_config('search_path', 'from_view', false) AS s")
     s = start_server({"QAG_QUERY_TIMEOUT": "5"})
     conns = {"su": {"user": "postgres"}, "plain": {"user": "qag_dbsess_plain"}}
     for name, extra in conns.items():
@@ -37,6 +38,7 @@ def srv():
         "sleep": ("su", "SELECT pg_sleep(:s) IS NULL AS slept", {"s": "float"}),
         "setpath": ("su", "SELECT sneaky(:p) AS s", {"p": "str"}),
         "getpath": ("su", "SELECT current_setting('search_path') AS sp", {}),
+        "viewpath": ("su", "SELECT s FROM settings_view", {}),
         "email_su": ("su", "SELECT id, email FROM customers WHERE id = :id", {"id": "int"}),
         "email_plain": ("plain", "SELECT id, email FROM customers WHERE id = :id", {"id": "int"}),
     }
@@ -101,6 +103,10 @@ def test_session_settings_of_one_call_are_gone_for_the_next(srv):
     assert paths == {'"$user", public'}
     assert pg_exec("postgresql://postgres@127.0.0.1:5432/qag_dbsess_http",
                    "SELECT pg_try_advisory_lock(4343)") == [(True,)]  # no pooled session still holds it
+    # a view's definition may change the session although the statement names no function
+    for _ in range(12):
+        assert get(srv, "/q/viewpath", srv.keys["plain"]).json() == [{"s": "from_view"}]
+    assert {get(srv, "/q/getpath", srv.keys["plain"]).json()[0]["sp"] for _ in range(24)} == {'"$user", public'}
 
 
 def test_privileged_connection_is_flagged_and_refused_to_governed_keys(srv):
