@@ -70,6 +70,10 @@ class Runtime:
         self._views: dict[str, tuple] = {}      # connection -> (generation, {(schema, view): definition})
         self._privileged: dict[str, tuple] = {}  # connection -> (generation, connectors S8 privileges)
         self._admins: dict[str, tuple] = {}
+        # Secrets that matched no key, each with the global generation it was looked up at: a client sending
+        # a new wrong secret every call must not grow a worker's memory (issue 13: +15 MB after 60,000), so
+        # this cache is bounded and evicts its oldest entry (insertion order) when full.
+        self._unknown: dict[str, int] = {}
         self._lock = threading.Lock()
         self._mask_key: bytes | None = None
         self._rate: dict[str, list] = {}
@@ -102,16 +106,19 @@ class Runtime:
             name, gen, row, via_prev = cached
             if name is not None and gens.gen("key", name) == gen:
                 return self._check_key(row, via_prev, client_ip, gen)
-            if name is None and gens.global_gen() == gen:  # an unknown secret or an admin token
-                if row is not None:
-                    return Principal(True, row, None)
-                raise ApiError(401, "unauthorized", UNAUTHORIZED)
+            if name is None and gens.global_gen() == gen:  # an admin token
+                return Principal(True, row, None)
+        elif gens is not None and self._unknown.get(h) == gens.global_gen():
+            raise ApiError(401, "unauthorized", UNAUTHORIZED)
         gen_before = gens.global_gen() if gens is not None else 0
         row, via_prev = self.store.find_key_by_hash(h)
         if row is None:
             admin = self.store.find_admin(h)
             if gens is not None:
-                self._keys[h] = (None, gen_before, admin, False)
+                if admin:  # bounded by the number of administrator tokens
+                    self._keys[h] = (None, gen_before, admin, False)
+                else:
+                    self._remember_unknown(h, gen_before)
             if admin:
                 return Principal(True, admin, None)
             raise ApiError(401, "unauthorized", UNAUTHORIZED)
@@ -126,6 +133,16 @@ class Runtime:
             if self.publisher is not None:
                 self.publisher.key(h, row, via_prev, gen)
         return self._check_key(row, via_prev, client_ip, gen)
+
+    UNKNOWN_CACHE = 1024
+
+    def _remember_unknown(self, h: str, gen: int) -> None:
+        with self._lock:
+            unknown = self._unknown
+            unknown.pop(h, None)
+            while len(unknown) >= self.UNKNOWN_CACHE:
+                del unknown[next(iter(unknown))]
+            unknown[h] = gen
 
     def _check_key(self, row: dict, via_prev: bool, client_ip: str | None, gen: int) -> Principal:
         if not row["active"]:
