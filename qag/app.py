@@ -6,6 +6,7 @@ to histograms and to a `Server-Timing` header.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
@@ -101,6 +102,8 @@ def read_json(req, cfg, *, allow_empty: bool = False) -> dict:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, "invalid_body", f"The request body is not valid JSON: {exc}.") from None
+    except RecursionError:  # `[[[[…` a few thousand deep: the parser's recursion, not the server, gives up
+        raise ApiError(400, "invalid_body", "The request body nests JSON too deeply.") from None
     if not isinstance(body, dict):
         raise ApiError(400, "invalid_body", "The request body must be a JSON object.")
     return body
@@ -120,12 +123,52 @@ class RequestIdMiddleware:
         rid = req.context.get("request_id")
         if rid:
             resp.set_header("X-Request-Id", rid)
+        # Answers are data or errors for one caller: never sniffed, never stored by a shared cache unless a
+        # saved query's cache_ttl said otherwise (it set Cache-Control: private, max-age=<ttl>).
+        resp.set_header("X-Content-Type-Options", "nosniff")
+        if resp.get_header("Cache-Control") is None:
+            resp.set_header("Cache-Control", "no-store")
         route = req.uri_template
         if route != DataResource.ROUTE:  # data calls are observed by finish(), with their rows and timings
             status = resp.status if isinstance(resp.status, int) else int(str(resp.status).split()[0])
             code = req.context.get("error_code")
             self.app.observer.request(route or "other", status, code, 0,
                                       time.perf_counter() - req.context.get("started", time.perf_counter()))
+
+
+CORS_METHODS = "GET, POST, PATCH, DELETE, OPTIONS"
+CORS_HEADERS = "X-API-Key, Authorization, Content-Type, X-Request-Id, If-None-Match, Last-Event-ID"
+CORS_EXPOSE = ("X-Request-Id, X-Page, X-Page-Size, X-Row-Count, X-Has-More, X-Affected-Rows, X-Cache, ETag, "
+               "Retry-After, RateLimit-Limit, RateLimit-Remaining, RateLimit-Reset, Server-Timing")
+
+
+class CorsMiddleware:
+    """CORS for the origins in QAG_CORS_ORIGINS only (off when empty): a listed origin's preflight is answered
+    204, its answers carry Access-Control-Allow-Origin; any other origin gets no CORS header (the browser
+    refuses). No credentials mode: keys travel in headers, the Console's cookie is same-origin."""
+
+    def __init__(self, origins: tuple[str, ...]):
+        self.any = "*" in origins
+        self.origins = frozenset(origins)
+
+    def _allowed(self, origin: str | None) -> bool:
+        return bool(origin) and (self.any or origin in self.origins)
+
+    def process_request(self, req, resp):
+        origin = req.get_header("Origin")
+        if req.method == "OPTIONS" and req.get_header("Access-Control-Request-Method") and self._allowed(origin):
+            resp.status = falcon.HTTP_204
+            resp.set_header("Access-Control-Allow-Methods", CORS_METHODS)
+            resp.set_header("Access-Control-Allow-Headers", CORS_HEADERS)
+            resp.set_header("Access-Control-Max-Age", "600")
+            resp.complete = True
+
+    def process_response(self, req, resp, resource, req_succeeded):
+        origin = req.get_header("Origin")
+        resp.append_header("Vary", "Origin")
+        if self._allowed(origin):
+            resp.set_header("Access-Control-Allow-Origin", origin)
+            resp.set_header("Access-Control-Expose-Headers", CORS_EXPOSE)
 
 
 class DataResource:
@@ -171,6 +214,9 @@ class DataResource:
             run["key_name"] = None if principal.admin else principal.caller
             if req.get_header("X-Qag-Via") == "mcp" and client_addr(req) in ("127.0.0.1", "::1"):
                 run["served_by"], run["transport"] = "mcp", "mcp"   # a tool call of `qag mcp` on this host
+            if req.env.get("qag.too_many_calls"):  # the worker found this key's queue full (qag/gworker.py)
+                raise ApiError(429, "too_many_calls", "This key has too many calls waiting in this worker; wait "
+                               "for some to finish and retry in 1 s.", {"retry_after": 1}, {"Retry-After": "1"})
             limits = rt.check_rate(principal)
             if limits is not None:
                 for hk, hv in limits.headers.items():
@@ -201,9 +247,9 @@ class DataResource:
                     if opts.format in formats.DOWNLOADS:
                         resp.set_header("Content-Disposition", formats.disposition(plan.query, opts.format))
                     resp.content_type = render.FORMATS[opts.format]
-                    resp.data = body
-                    run["rows"], run["bytes"] = nrows, len(body)
-                    app.finish(req, run, 200, None, t0, None, plan_hit)
+                    status = app.conditional(req, resp, body)
+                    run["rows"], run["bytes"] = nrows, len(body) if status == 200 else 0
+                    app.finish(req, run, status, None, t0, None, plan_hit)
                     if limits is not None and limits.rows_keys:
                         rt.limiter.count_rows(limits, nrows)
                     return
@@ -212,13 +258,20 @@ class DataResource:
                     raise ApiError(400, "invalid_stream", "A write cannot be streamed; call it without stream.")
                 self.stream(req, resp, plan, connector, args, opts, principal, run, t0)
                 return
-            if plan.is_write:
-                cols, rows, count = connector.run(plan.sql, args, write=True, timeout=opts.timeout, max_rows=None)
-            else:
-                sql = plan.paged_sql(opts.page, opts.page_size)
-                cols, rows, count = connector.run(sql, args, write=False, timeout=opts.timeout,
-                                                  max_rows=None if plan.page_mode != "none"
-                                                  else opts.page * opts.page_size + 1, state_free=plan.state_free)
+            in_flight = app.connection_calls
+            in_flight.acquire(plan.connection)
+            try:
+                if plan.is_write:
+                    cols, rows, count = connector.run(plan.sql, args, write=True, timeout=opts.timeout,
+                                                      max_rows=None)
+                else:
+                    sql = plan.paged_sql(opts.page, opts.page_size)
+                    cols, rows, count = connector.run(sql, args, write=False, timeout=opts.timeout,
+                                                      max_rows=None if plan.page_mode != "none"
+                                                      else opts.page * opts.page_size + 1,
+                                                      state_free=plan.state_free)
+            finally:
+                in_flight.release(plan.connection)
             t_exec = time.perf_counter()
             query_seconds = t_exec - t_bind
             if plan.transforms is not None:
@@ -248,17 +301,22 @@ class DataResource:
                     resp.set_header("X-Row-Count", str(nrows))
                     resp.set_header("X-Has-More", "true" if has_more else "false")
             t_render = time.perf_counter()
+            resp.content_type = render.FORMATS[opts.format]
+            status = 200
             if cache_key is not None:
                 app.cache_result(cache_key, plan.cache_ttl, body, nrows, resp)
-            resp.content_type = render.FORMATS[opts.format]
+                resp.set_header("X-Cache", "miss")
             if opts.format in formats.DOWNLOADS:
                 resp.set_header("Content-Disposition", formats.disposition(plan.query, opts.format))
-            resp.data = body
-            run["rows"], run["bytes"] = nrows, len(body)
+            if cache_key is not None:
+                status = app.conditional(req, resp, body)
+            else:
+                resp.data = body
+            run["rows"], run["bytes"] = nrows, len(body) if status == 200 else 0
             resp.set_header("Server-Timing", SERVER_TIMING % (
                 (t_auth - t0) * 1000, (t_plan - t_auth) * 1000, (t_bind - t_plan) * 1000, (t_exec - t_bind) * 1000,
                 (t_gov - t_exec) * 1000, (t_render - t_gov) * 1000))
-            app.finish(req, run, 200, None, t0, query_seconds, plan_hit)
+            app.finish(req, run, status, None, t0, query_seconds, plan_hit)
             if limits is not None and limits.rows_keys:
                 rt.limiter.count_rows(limits, run["rows"])
         except ApiError as err:
@@ -271,24 +329,45 @@ class DataResource:
             raise query_failed(exc, "principal" in locals() and principal.admin) from None
 
     def stream(self, req, resp, plan, connector, args, opts, principal, run, t0):
-        """`?stream=true`: the whole result from a server-side cursor, in bounded memory."""
-        cols, batches = connector.stream(plan.sql, args, timeout=opts.timeout, state_free=plan.state_free)
-        transforms = plan.transforms
+        """`?stream=true`: the whole result from a server-side cursor, in bounded memory. A stream holds a thread
+        and a database session while it lasts: they are capped per key and per instance (503
+        too_many_streams), and a client that stops reading is dropped after QAG_SEND_TIMEOUT (the worker's
+        send fails, the generators below close, the session is rolled back and released)."""
         app = self.app
-        if transforms is not None:
-            key = app.runtime.mask_key
-            first_cols = cols
+        holder = principal.name if not principal.admin else "\x00admin"
+        app.streams.acquire(holder)
+        try:
+            app.connection_calls.acquire(plan.connection)
+        except BaseException:
+            app.streams.release(holder)
+            raise
+        try:
+            cols, batches = connector.stream(plan.sql, args, timeout=opts.timeout, state_free=plan.state_free)
+        except BaseException:
+            app.connection_calls.release(plan.connection)
+            app.streams.release(holder)
+            raise
+        try:
+            transforms = plan.transforms
+            if transforms is not None:
+                key = app.runtime.mask_key
+                first_cols = cols
 
-            def masked():
-                for b in batches:
-                    yield app.apply_transforms(transforms, first_cols, b, key, plan.names)[1]
-            typed = opts.format in formats.TYPED and formats.types_after_masking(cols, transforms)
-            cols = app.apply_transforms(transforms, cols, [], key, plan.names)[0]
-            if typed:
-                cols = formats.Columns(cols, typed)
-            source = masked()
-        else:
-            source = batches
+                def masked():
+                    for b in batches:
+                        yield app.apply_transforms(transforms, first_cols, b, key, plan.names)[1]
+                typed = opts.format in formats.TYPED and formats.types_after_masking(cols, transforms)
+                cols = app.apply_transforms(transforms, cols, [], key, plan.names)[0]
+                if typed:
+                    cols = formats.Columns(cols, typed)
+                source = masked()
+            else:
+                source = batches
+        except BaseException:  # e.g. mask_unresolvable: nothing streams, so give back what the stream holds
+            getattr(batches, "close", lambda: None)()
+            app.connection_calls.release(plan.connection)
+            app.streams.release(holder)
+            raise
         counted = {"rows": 0, "bytes": 0}
 
         def count_rows(src):
@@ -304,6 +383,11 @@ class DataResource:
                     yield chunk
                 ok = True
             finally:
+                close = getattr(batches, "close", None)
+                if close is not None:
+                    close()  # the cursor's generator: rollback and release the session now, not at GC
+                app.connection_calls.release(plan.connection)
+                app.streams.release(holder)
                 run["rows"], run["bytes"], run["transport"] = counted["rows"], counted["bytes"], "stream"
                 app.finish(req, run, 200 if ok else 500, None if ok else "stream_aborted", t0, None, None)
         resp.content_type = render.FORMATS[opts.format]
@@ -342,15 +426,20 @@ def call_options(given: dict, cfg) -> CallOptions:
     formats.available(o.format)
     o.page = _int_opt(given, "page", 1, 1, None)
     o.page_size = _int_opt(given, "page_size", cfg.default_page_size, 1, cfg.max_page_size)
+    if o.page > MAX_OFFSET // o.page_size:
+        # The offset (page - 1) * page_size must stay a signed 64-bit integer on every database; the data
+        # plane forwards exactly these calls here (rustplane/src/params.rs, "page beyond 64-bit offsets").
+        raise ApiError(400, "invalid_paging", f"page must be between 1 and {MAX_OFFSET // o.page_size} for a "
+                       f"page_size of {o.page_size}.")
     v = given.get("version")
     if v is None or v == "":
         o.version = None
     else:
         try:
             o.version = int(v)
-            if o.version < 1 or isinstance(v, bool):
+            if o.version < 1 or o.version >= 2 ** 63 or isinstance(v, bool):
                 raise ValueError
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ApiError(400, "param_invalid", "version must be a positive integer.",
                            {"errors": {"version": "must be a positive integer"}}) from None
     t = given.get("timeout")
@@ -397,6 +486,9 @@ def call_options(given: dict, cfg) -> CallOptions:
     return o
 
 
+MAX_OFFSET = (2 ** 63 - 1) // 2
+
+
 def _int_opt(given: dict, name: str, default: int, lo: int, hi: int | None) -> int:
     raw = given.get(name)
     if raw is None or raw == "":
@@ -407,7 +499,7 @@ def _int_opt(given: dict, name: str, default: int, lo: int, hi: int | None) -> i
         v = int(raw)
         if isinstance(raw, float) and not raw.is_integer():
             raise ValueError
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: a JSON body's Infinity
         raise ApiError(400, "invalid_paging", f"{name} must be an integer.") from None
     if v < lo or (hi is not None and v > hi):
         bound = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
@@ -427,10 +519,18 @@ class QagApp:
         self.segment = segment
         self.run_store_url: str | None = None
         self.result_cache: dict = {}
+        from qag.capacity import InFlight, OpenCount
+        slot = getattr(runtime, "slot", 0)
+        self.streams = OpenCount("stream", cfg.key_streams, cfg.max_streams, segment, slot)
+        self.subscribers = OpenCount("subscriber", cfg.key_subscribers, cfg.max_subscribers, segment, slot)
+        self.connection_calls = InFlight(cfg.connection_calls)
         self.behind_plane = bool(getattr(cfg, "public_bind", None)) and str(cfg.bind).startswith("unix:")
         self._run_store = None
         self._apply = None
-        self.falcon = falcon.App(middleware=[RequestIdMiddleware(self)])
+        middleware: list = [RequestIdMiddleware(self)]
+        if getattr(cfg, "cors_origins", ()):
+            middleware.insert(0, CorsMiddleware(cfg.cors_origins))
+        self.falcon = falcon.App(middleware=middleware)
         self.falcon.req_options.auto_parse_qs_csv = False
         self.falcon.req_options.keep_blank_qs_values = True
         self.falcon.resp_options.secure_cookies_by_default = False
@@ -458,9 +558,24 @@ class QagApp:
             self.result_cache = {k: v for k, v in self.result_cache.items() if v[0] > now}
             if len(self.result_cache) >= 4096:
                 self.result_cache.clear()
-        headers = [(h, resp.get_header(h)) for h in ("X-Page", "X-Page-Size", "X-Row-Count", "X-Has-More")
-                   if resp.get_header(h) is not None]
+        etag = '"%s"' % hashlib.blake2b(body, digest_size=12).hexdigest()
+        resp.set_header("ETag", etag)
+        resp.set_header("Cache-Control", f"private, max-age={int(ttl)}")
+        headers = [(h, resp.get_header(h)) for h in ("X-Page", "X-Page-Size", "X-Row-Count", "X-Has-More", "ETag",
+                                                     "Cache-Control") if resp.get_header(h) is not None]
         self.result_cache[key] = (time.monotonic() + ttl, body, headers, nrows)
+
+    @staticmethod
+    def conditional(req, resp, body: bytes) -> int:
+        """A cacheable answer: 304 without a body when If-None-Match names its ETag (RFC 9110 13.1.2)."""
+        etag = resp.get_header("ETag")
+        inm = req.get_header("If-None-Match")
+        if etag and inm and (inm.strip() == "*" or etag in [t.strip().removeprefix("W/") for t in inm.split(",")]):
+            resp.status = falcon.HTTP_304
+            resp.data = None
+            return 304
+        resp.data = body
+        return 200
 
     def run_store(self):
         """The run store, opened on first use by this worker (reads only: the recorder writes)."""

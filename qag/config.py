@@ -99,6 +99,17 @@ def _redis_url(text: str) -> str:
     return text
 
 
+def _origins(text: str) -> tuple[str, ...]:
+    out = []
+    for o in (x.strip().rstrip("/") for x in text.split(",")):
+        if not o:
+            continue
+        if o != "*" and not (o.startswith("http://") or o.startswith("https://")):
+            raise ValueError(f"{o!r} is not an origin (scheme://host[:port]) or *")
+        out.append(o)
+    return tuple(out)
+
+
 def _str(text: str) -> str:
     return text
 
@@ -147,6 +158,19 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("run_writers", "QAG_RUN_WRITERS", _pos_int, "1", "Recorders writing one shared run store (several hosts on one ClickHouse).", "int"),
     Setting("run_writer_id", "QAG_RUN_WRITER_ID", _nonneg_int, "0", "This host's recorder number, 0..QAG_RUN_WRITERS-1 (keeps event ids apart).", "int"),
     Setting("events_settle_ms", "QAG_EVENTS_SETTLE_MS", _nonneg_int, "0", "With several writers: events are delivered once older than this, so none arrives out of order.", "ms"),
+    Setting("max_connections", "QAG_MAX_CONNECTIONS", _pos_int, "1000", "Client connections one worker keeps open; at the limit it closes its longest-idle kept-alive one to take a new one.", "int"),
+    Setting("keepalive", "QAG_KEEPALIVE", _pos_int, "5", "Seconds an idle kept-alive connection stays open.", "seconds"),
+    Setting("header_timeout", "QAG_HEADER_TIMEOUT", _pos_float, "10", "Seconds a client has, from its first byte, to send a request's headers and body (buffered without a thread); then the connection is closed.", "seconds"),
+    Setting("send_timeout", "QAG_SEND_TIMEOUT", _pos_float, "30", "Seconds a send to a client that does not read may block; then the answer is dropped (a stream's database session is released).", "seconds"),
+    Setting("reserve_threads", "QAG_RESERVE_THREADS", _pos_int, "2", "Threads per worker, beside QAG_THREADS, that serve only the Management API and operations routes; /health and /metrics have one more of their own.", "int"),
+    Setting("key_calls", "QAG_KEY_CALLS", _nonneg_int, "0", "Data calls of one key in flight in one worker; 0: QAG_THREADS - 1 (at least 1). More wait for a thread without holding one.", "int"),
+    Setting("key_queue", "QAG_KEY_QUEUE", _nonneg_int, "64", "Data calls of one key waiting for a thread in one worker; more get 429 too_many_calls.", "int"),
+    Setting("connection_calls", "QAG_CONNECTION_CALLS", _nonneg_int, "0", "Calls in flight on one data connection in one worker; more get 503 busy (0: no bound but the threads).", "int"),
+    Setting("max_streams", "QAG_MAX_STREAMS", _nonneg_int, "16", "Open ?stream=true answers on the instance; more get 503 too_many_streams.", "int"),
+    Setting("key_streams", "QAG_KEY_STREAMS", _nonneg_int, "2", "Open ?stream=true answers of one key on the instance.", "int"),
+    Setting("max_subscribers", "QAG_MAX_SUBSCRIBERS", _nonneg_int, "64", "Open /events subscriptions on the instance; more get 503 too_many_streams.", "int"),
+    Setting("key_subscribers", "QAG_KEY_SUBSCRIBERS", _nonneg_int, "4", "Open /events subscriptions of one key on the instance.", "int"),
+    Setting("cors_origins", "QAG_CORS_ORIGINS", _origins, "", "Comma-separated origins (https://app.example.com) allowed to call from a browser; empty: CORS off.", "list"),
     Setting("log_level", "QAG_LOG_LEVEL", _str, "info", "Log level of the arbiter and workers.", "str"),
     Setting("access_log", "QAG_ACCESS_LOG", _bool, "0", "Write a gunicorn access log line per request (runs are the access log).", "bool"),
     Setting("redis_url", "QAG_REDIS_URL", _redis_url, "", "Redis shared by every host for rate limits and quotas (empty: counted per host).", "url"),

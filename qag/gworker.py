@@ -12,15 +12,16 @@ slow client holds no thread.
 from __future__ import annotations
 
 import errno
-import os
 import queue
 import select
 import socket
 import threading
 import time
+from collections import deque
+from datetime import datetime
 
-from gunicorn import util as gutil
-from gunicorn.http import message as gmessage
+from gunicorn import http, util as gutil
+from gunicorn.http import message as gmessage, wsgi
 from gunicorn.workers import gthread
 from gunicorn.workers.gthread import TConn, ThreadWorker
 
@@ -68,14 +69,153 @@ def _cache_per_worker() -> None:
         gmessage._ip_in_allow_list = ip_in_allow_list
 
 
+# -- what the main thread reads before a thread is committed ------------------------------------------------
+HEAD_LIMIT = 256 * 1024  # request line + headers buffered at most; past it the parser answers 400/431
+DATA, OPS, HEALTH = 0, 1, 2
+_HEALTH_PATHS = (b"/health", b"/metrics")
+_OPS_PREFIXES = (b"/api/", b"/-/", b"/openapi.json", b"/docs", b"/console", b"/favicon.ico")
+_DETACHED = object()  # handle(): the application took the connection over (an /events subscriber)
+
+
+def request_ready(buf, max_body: int):
+    """Whether `buf` holds a whole request (line, headers and body), parsed just enough to tell: None while
+    more bytes are needed; else (route class, key identity, close_after). A body longer than `max_body` is
+    not waited for (the application answers 413 from Content-Length alone; the connection closes after)."""
+    end = buf.find(b"\r\n\r\n")
+    if end < 0:
+        if len(buf) > HEAD_LIMIT:
+            return DATA, b"", True  # the parser reads it and refuses it
+        return None
+    head = bytes(buf[:end])
+    line_end = head.find(b"\r\n")
+    line = head if line_end < 0 else head[:line_end]
+    lower = head.lower()
+    close_after = False
+    body_at = end + 4
+    i = lower.find(b"\ncontent-length:")
+    if i >= 0:
+        j = lower.find(b"\r\n", i + 1)
+        try:
+            length = int(lower[i + 16:j if j >= 0 else None].strip())
+        except ValueError:
+            length = 0  # the parser refuses it
+        if length > max_body:
+            close_after = True
+        elif len(buf) - body_at < length:
+            return None
+    elif b"\ntransfer-encoding:" in lower and b"chunked" in lower:
+        # A chunked body is complete at its last chunk (no trailers: a trailer waits for the deadline).
+        if buf.find(b"0\r\n\r\n", body_at) < 0 and len(buf) - body_at <= max_body:
+            return None
+    parts = line.split(b" ", 2)
+    target = parts[1] if len(parts) > 1 else b""
+    if target.startswith(b"http://") or target.startswith(b"https://"):  # absolute form (RFC 9112 3.2.2)
+        k = target.find(b"/", target.find(b"//") + 2)
+        target = target[k:] if k >= 0 else b"/"
+    path = target.split(b"?", 1)[0]
+    if path in _HEALTH_PATHS:
+        return HEALTH, b"", close_after
+    if path == b"/" or path.startswith(_OPS_PREFIXES):
+        return OPS, b"", close_after
+    key = b""
+    for name in (b"\nx-api-key:", b"\nauthorization:"):
+        i = lower.find(name)
+        if i >= 0:
+            j = lower.find(b"\r\n", i + 1)
+            key = head[i + len(name):j if j >= 0 else None].strip()[:256]
+            break
+    return DATA, key, close_after
+
+
+class FairQueue:
+    """Data calls wait here, per key, for a thread: at most `cap` calls of one key in flight in the worker, the
+    keys served round-robin, at most `bound` calls of one key waiting (`put` returns False past it). A key
+    whose slow calls fill its share leaves the other threads to the other keys, and its waiting calls hold no
+    thread (issue 13 item 3)."""
+
+    def __init__(self, cap: int, bound: int):
+        self.cap = max(1, cap)
+        self.bound = bound
+        self.cond = threading.Condition(threading.Lock())
+        self.waiting: dict[bytes, deque] = {}
+        self.ready: deque = deque()  # keys with a call waiting and room in flight, each once
+        self.in_ready: set = set()
+        self.in_flight: dict[bytes, int] = {}
+        self.stopping = False
+
+    def put(self, conn, key: bytes) -> bool:
+        with self.cond:
+            q = self.waiting.get(key)
+            if q is None:
+                q = self.waiting[key] = deque()
+            elif self.bound and len(q) >= self.bound:
+                return False
+            q.append(conn)
+            if key not in self.in_ready and self.in_flight.get(key, 0) < self.cap:
+                self.in_ready.add(key)
+                self.ready.append(key)
+                self.cond.notify()
+        return True
+
+    def get(self):
+        with self.cond:
+            while not self.ready:
+                if self.stopping:
+                    return None, None
+                self.cond.wait()
+            key = self.ready.popleft()
+            q = self.waiting[key]
+            conn = q.popleft()
+            n = self.in_flight[key] = self.in_flight.get(key, 0) + 1
+            if not q:
+                del self.waiting[key]
+                self.in_ready.discard(key)
+            elif n < self.cap:
+                self.ready.append(key)
+            else:
+                self.in_ready.discard(key)
+            return conn, key
+
+    def done(self, key: bytes) -> None:
+        with self.cond:
+            n = self.in_flight[key] - 1
+            if n:
+                self.in_flight[key] = n
+            else:
+                del self.in_flight[key]
+            if key in self.waiting and key not in self.in_ready:
+                self.in_ready.add(key)
+                self.ready.append(key)
+                self.cond.notify()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+
+
 class QagWorker(ThreadWorker):
-    """`worker_class = "qag.gworker.QagWorker"`; `threads` threads serve, the main thread only waits."""
+    """`worker_class = "qag.gworker.QagWorker"`. The main thread accepts, reads every request whole without a
+    thread, and hands it to one of three pools: the data threads (`threads`, per-key fair), the reserve
+    threads (QAG_RESERVE_THREADS: the Management API and the other operations routes) and one thread of
+    its own for /health and /metrics, so neither waits behind data calls."""
+
+    qag = None  # the qag settings (qag.config.Config), set by qag.serve before the workers fork
 
     def init_process(self):
         _freeze(self.cfg)
         _cache_per_worker()
+        q = self.qag
+        threads = self.cfg.threads
+        self.max_body = q.max_body_bytes if q is not None else 1 << 20
+        self.header_timeout = q.header_timeout if q is not None else 10.0
+        self.send_timeout = q.send_timeout if q is not None else 30.0
+        self.reserve = q.reserve_threads if q is not None else 2
+        key_calls = (q.key_calls if q is not None else 0) or max(1, threads - 1)
         self.ep = select.epoll()
-        self.work: queue.SimpleQueue = queue.SimpleQueue()
+        self.data = FairQueue(key_calls, q.key_queue if q is not None else 64)
+        self.ops: queue.SimpleQueue = queue.SimpleQueue()
+        self.health: queue.SimpleQueue = queue.SimpleQueue()
         self.conns: dict[int, TConn] = {}  # fd -> connection, busy or idle
         self.listen_fds: dict[int, socket.socket] = {}
         self.threads: list[threading.Thread] = []
@@ -86,32 +226,152 @@ class QagWorker(ThreadWorker):
         super(ThreadWorker, self).init_process()
 
     # -- the threads -------------------------------------------------------------------------------------
-    def _serve(self):
-        get = self.work.get
+    def _serve_data(self):
+        get, done = self.data.get, self.data.done
+        while True:
+            conn, key = get()
+            if conn is None:
+                return
+            try:
+                self._serve_one(conn)
+            finally:
+                done(key)
+
+    def _serve_queue(self, q):
+        get = q.get
         while True:
             conn = get()
             if conn is _STOP:
                 return
+            self._serve_one(conn)
+
+    def _serve_one(self, conn):
+        try:
+            keep = self.handle(conn)
+        except BaseException:  # handle() logs what it can; never lose the thread
+            keep = False
+        if keep is _DETACHED:
+            self._forget(conn)
+            return
+        if keep is True:
+            # Bytes read ahead (a pipelined request) came back from the parser into conn.buf: a whole
+            # request goes straight back to its pool; a part waits in epoll for the rest.
+            if conn.buf and self._submit(conn):
+                return
+            conn.busy = False
+            now = time.monotonic()
+            conn.timeout = now + (self.header_timeout if conn.buf else self.cfg.keepalive)
+            conn.idle_since = now
+            if not self.alive:
+                conn.timeout = min(conn.timeout, now + gthread.STOP_KEEPALIVE_LINGER)
             try:
-                keep = self.handle(conn)
-                # A request read ahead (pipelining, or a body drain that read into the next request) is
-                # already in the parser's buffer: serve it here, the socket won't signal it again.
-                while keep is True and self.alive and conn.parser is not None and conn.parser.unreader.buf.getvalue():
-                    keep = self.handle(conn)
-            except BaseException:  # handle() logs what it can; never lose the thread
-                keep = False
-            if keep is True or keep is gthread._DEFER:
-                conn.timeout = time.monotonic() + (self.cfg.keepalive if keep is True
-                                                   else gthread.DEFAULT_WORKER_DATA_TIMEOUT)
-                conn.busy = False
-                if not self.alive and keep is True:
-                    conn.timeout = min(conn.timeout, time.monotonic() + gthread.STOP_KEEPALIVE_LINGER)
+                self.ep.modify(conn.fd, _EV_CONN)
+                return
+            except (OSError, ValueError):
+                pass
+        self._drop(conn, graceful=keep is not None)
+
+    def handle(self, conn):
+        """One request, already whole in conn.buf: parse it, run the application, send the answer. The socket
+        has a timeout of QAG_SEND_TIMEOUT, so a client that stops reading fails the send instead of holding
+        the thread (a stream's generators close and release its database session)."""
+        req = None
+        try:
+            if conn.parser is None:
+                conn.parser = http.get_parser(self.cfg, conn.sock, conn.client)
+            conn.parser.unreader.unread(bytes(conn.buf))
+            conn.buf.clear()
+            req = next(conn.parser)
+            if not req:
+                return False
+            keep = self.handle_request(req, conn)
+            if keep is _DETACHED:
+                return keep
+            if not keep or conn.close_after:
+                return False
+            if not conn.parser.finish_body(deadline=time.monotonic() + 1.0):
+                return False
+            conn.buf += conn.parser.unreader.take_buffered()
+            return True
+        except http.errors.NoMoreData as e:
+            self.log.debug("Ignored premature client disconnection. %s", e)
+        except StopIteration as e:
+            self.log.debug("Closing connection. %s", e)
+        except TimeoutError:
+            self.log.debug("A client stopped reading for %s s: dropped", self.send_timeout)
+        except OSError as e:
+            if e.errno not in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):
+                self.log.exception("Socket error processing request.")
+        except Exception as e:
+            self.handle_error(req, conn.sock, conn.client, e)
+        return False
+
+    def handle_request(self, req, conn):
+        """gthread's handle_request, plus the environ entries qag's application reads: `qag.too_many_calls`
+        (this key's queue was full) and, on a response that carries `qag_detach`, the hand-over of the
+        connection (the response head is sent here, the rest by whoever took it)."""
+        environ = {}
+        resp = None
+        try:
+            self.cfg.pre_request(self, req)
+            request_start = datetime.now()
+            resp, environ = wsgi.create(req, conn.sock, conn.client, conn.server, self.cfg)
+            environ["wsgi.multithread"] = True
+            if conn.too_many:
+                environ["qag.too_many_calls"] = True
+                conn.too_many = False
+            self.nr += 1
+            if self.nr >= self.max_requests:
+                if self.alive:
+                    self.log.info("Autorestarting worker after current request.")
+                    self.alive = False
+                resp.force_close()
+            if not self.alive or not self.cfg.keepalive:
+                resp.force_close()
+            respiter = self.wsgi(environ, resp.start_response)
+            take = getattr(respiter, "qag_detach", None)
+            if take is not None and resp.status_code == 200:
+                resp.force_close()
+                resp.send_headers()
+                take(conn.sock, resp.chunked)
+                return _DETACHED
+            try:
+                if isinstance(respiter, environ["wsgi.file_wrapper"]):
+                    resp.write_file(respiter)
+                else:
+                    for item in respiter:
+                        resp.write(item)
+                resp.close()
+            finally:
+                self.log.access(resp, req, environ, datetime.now() - request_start)
+                if hasattr(respiter, "close"):
+                    respiter.close()
+            if resp.should_close():
+                return False
+        except OSError:
+            raise
+        except (Exception, SystemExit):
+            if resp and resp.headers_sent:
+                self.log.exception("Error handling request")
+                raise StopIteration()
+            raise
+        finally:
+            try:
+                self.cfg.post_request(self, req, environ, resp)
+            except Exception:
+                self.log.exception("Exception in post_request hook")
+        return True
+
+    def _forget(self, conn):
+        """The connection now belongs to someone else: out of epoll and the table, not closed."""
+        with self.lock:
+            if self.conns.get(conn.fd) is conn:
+                del self.conns[conn.fd]
                 try:
-                    self.ep.modify(conn.sock.fileno(), _EV_CONN)
-                    continue
+                    self.ep.unregister(conn.fd)
                 except (OSError, ValueError):
                     pass
-            self._drop(conn, graceful=keep is not None)
+                self.nr_conns = len(self.conns)
 
     def _drop(self, conn, graceful: bool = False):
         fd = getattr(conn, "fd", None)
@@ -130,26 +390,84 @@ class QagWorker(ThreadWorker):
             pass
 
     # -- the main thread ---------------------------------------------------------------------------------
+    def _submit(self, conn) -> bool:
+        """Hand a connection whose buffer holds a whole request to its pool; False while it does not."""
+        ready = request_ready(conn.buf, self.max_body)
+        if ready is None:
+            return False
+        kind, key, conn.close_after = ready
+        conn.busy = True
+        if kind == HEALTH:
+            self.health.put(conn)
+        elif kind == OPS:
+            self.ops.put(conn)
+        elif not self.data.put(conn, key):
+            conn.too_many = True  # answered 429 too_many_calls by a reserve thread, after authentication
+            self.ops.put(conn)
+        return True
+
+    def _read(self, conn):
+        """A connection is readable: take what it sent, without blocking; a whole request goes to a thread,
+        a part waits (its deadline is QAG_HEADER_TIMEOUT from the request's first byte)."""
+        try:
+            data = conn.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            data = None
+        except OSError:
+            data = b""
+        if data == b"":
+            self._drop(conn)
+            return
+        if data:
+            if not conn.buf:
+                conn.timeout = time.monotonic() + self.header_timeout
+            conn.buf += data
+            if self._submit(conn):
+                return
+        try:
+            self.ep.modify(conn.fd, _EV_CONN)
+        except (OSError, ValueError):
+            self._drop(conn)
+
     def _accept(self, listener):
         """One connection per readiness event, as gthread does: every worker waits on the same listening
         socket, and taking the whole backlog at once would give one worker every connection of a burst."""
         try:
             sock, addr = listener.accept()
         except OSError as e:
-            if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.ECONNABORTED):
-                return
+            if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.ECONNABORTED, errno.EINVAL):
+                return False
             raise
+        if self.nr_conns >= self.worker_connections:
+            self._evict_idle()
         conn = TConn(self.cfg, sock, addr, listener.getsockname())
-        sock.setblocking(True)  # TConn made it non-blocking for gthread's selector; epoll doesn't need that
+        sock.settimeout(self.send_timeout)  # bounds every send (and any read) a thread makes on it
         conn.fd = sock.fileno()
         conn.busy = False
-        conn.timeout = time.monotonic() + gthread.DEFAULT_WORKER_DATA_TIMEOUT
+        conn.buf = bytearray()
+        conn.too_many = False
+        conn.close_after = False
+        conn.idle_since = now = time.monotonic()
+        conn.timeout = now + gthread.DEFAULT_WORKER_DATA_TIMEOUT
         with self.lock:
             self.conns[conn.fd] = conn
             self.nr_conns = len(self.conns)
             self.ep.register(conn.fd, _EV_CONN)
-        if self.nr_conns >= self.worker_connections:
+        if self.nr_conns >= self.worker_connections and not self._has_idle():
             self._set_accepting(False)
+        return True
+
+    def _has_idle(self) -> bool:
+        with self.lock:
+            return any(not c.busy for c in self.conns.values())
+
+    def _evict_idle(self):
+        """At QAG_MAX_CONNECTIONS, make room for a new connection: close the one idle longest (a kept-alive
+        connection between requests, or one that never sent a byte); a connection being served stays."""
+        with self.lock:
+            idle = [c for c in self.conns.values() if not c.busy]
+        if idle:
+            self._drop(min(idle, key=lambda c: (bool(c.buf), c.idle_since)))
 
     def _set_accepting(self, on: bool):
         if on == self._accepting:
@@ -165,7 +483,7 @@ class QagWorker(ThreadWorker):
         self._accepting = on
 
     def _expire(self, now: float, force: bool = False):
-        """Close idle connections past their keep-alive (or first-byte) deadline."""
+        """Close idle connections past their keep-alive, first-byte or whole-request deadline."""
         with self.lock:
             idle = [c for c in self.conns.values() if not c.busy and (force or c.timeout <= now)]
         for conn in idle:
@@ -182,11 +500,9 @@ class QagWorker(ThreadWorker):
                 self._accept(listener)
                 continue
             conn = self.conns.get(fd)
-            if conn is None:
+            if conn is None or conn.busy:
                 continue
-            conn.busy = True
-            conn.data_ready = True  # readable (or hung up): handle() needn't wait for it
-            self.work.put(conn)
+            self._read(conn)
 
     def run(self):
         for s in self.sockets:
@@ -194,14 +510,17 @@ class QagWorker(ThreadWorker):
             self.listen_fds[s.fileno()] = s
         self._accepting = False
         self._set_accepting(True)
-        for i in range(self.cfg.threads):
-            t = threading.Thread(target=self._serve, name=f"qag-http-{i}", daemon=True)
+        pools = [(f"qag-http-{i}", self._serve_data, ()) for i in range(self.cfg.threads)]
+        pools += [(f"qag-ops-{i}", self._serve_queue, (self.ops,)) for i in range(self.reserve)]
+        pools.append(("qag-health", self._serve_queue, (self.health,)))
+        for name, target, args in pools:
+            t = threading.Thread(target=target, args=args, name=name, daemon=True)
             t.start()
             self.threads.append(t)
         last_expire = time.monotonic()
         while self.alive:
             self.notify()
-            if not self._accepting and self.nr_conns < self.worker_connections:
+            if not self._accepting and (self.nr_conns < self.worker_connections or self._has_idle()):
                 self._set_accepting(True)
             self._dispatch(1.0)
             now = time.monotonic()
@@ -210,8 +529,13 @@ class QagWorker(ThreadWorker):
                 last_expire = now
             if not self.is_parent_alive():
                 break
-        # Graceful stop: no new connections; idle ones linger briefly, busy ones get the grace period.
+        # Graceful stop: take what the listening socket still holds (the arbiter shut it for new
+        # connections before it signalled us, qag.serve), then serve what is in flight.
+        while any(self._accept(s) for s in self.listen_fds.values()):
+            pass
         self._set_accepting(False)
+        for s in self.sockets:
+            s.close()
         deadline = time.monotonic() + self.cfg.graceful_timeout
         linger = time.monotonic() + gthread.STOP_KEEPALIVE_LINGER
         for c in list(self.conns.values()):
@@ -221,10 +545,10 @@ class QagWorker(ThreadWorker):
             self._dispatch(0.2)
             self._expire(time.monotonic())
         self._expire(time.monotonic(), force=True)
-        for _ in self.threads:
-            self.work.put(_STOP)
-        for s in self.sockets:
-            s.close()
+        self.data.stop()
+        for _ in range(self.reserve):
+            self.ops.put(_STOP)
+        self.health.put(_STOP)
         self.ep.close()
 
     def handle_exit(self, sig, frame):

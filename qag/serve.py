@@ -80,7 +80,8 @@ class QagGunicorn(BaseApplication):
         s("limit_request_field_size", 65536)
         s("graceful_timeout", 20)
         s("timeout", 60)
-        s("keepalive", 5)
+        s("keepalive", qcfg.keepalive)
+        s("worker_connections", qcfg.max_connections)
         s("loglevel", qcfg.log_level)
         s("errorlog", "-")
         if qcfg.access_log:
@@ -134,6 +135,42 @@ class QagGunicorn(BaseApplication):
                                 plane_slot=getattr(self.arbiter_hooks, "plane_slot", None))
 
 
+def _refuse_on_stop() -> None:
+    """On a stop, new connections are refused, not accepted and reset (issue 13 item 5). gunicorn's arbiter
+    closes its listening sockets before it signals the workers, but each worker holds the same socket, so
+    the kernel would go on completing handshakes into the backlog until the last worker exits, and reset
+    them all then. `shutdown()` stops the socket itself listening, in every process at once: from then on a
+    connect is refused. Before that, the workers (still running) get up to 100 ms to take what the backlog
+    already holds, which they then serve. Only the arbiter's stop calls close_sockets; a reload or a
+    replaced worker keeps the socket listening."""
+    import socket as _socket
+    import struct
+    import time
+
+    from gunicorn import sock as gsock
+    close = gsock.close_sockets
+
+    def backlog(s) -> int:
+        try:  # TCP_INFO's tcpi_unacked is a listening socket's accept queue length (Linux)
+            info = s.getsockopt(_socket.IPPROTO_TCP, _socket.TCP_INFO, 104)
+            return struct.unpack_from("I", info, 24)[0]
+        except (OSError, AttributeError, struct.error):
+            return 0
+
+    def close_sockets(listeners, unlink=True):
+        deadline = time.monotonic() + 0.1
+        for s in listeners:
+            tcp = s.family in (_socket.AF_INET, _socket.AF_INET6)
+            while tcp and backlog(s) and time.monotonic() < deadline:
+                time.sleep(0.002)
+            try:
+                s.shutdown(_socket.SHUT_RDWR)
+            except OSError:
+                pass
+        close(listeners, unlink)
+    gsock.close_sockets = close_sockets
+
+
 def run(cfg, *, pin: bool = True, plane: bool = False, plane_threads: int | None = None) -> int:
     """Start the arbiter in this process (returns when it stops)."""
     from qag.store import Store, StoreUnavailable
@@ -180,6 +217,9 @@ def run(cfg, *, pin: bool = True, plane: bool = False, plane_threads: int | None
         if title.startswith("master"):
             set_title("qag: arbiter")
     gunicorn.util._setproctitle = _title
+    from qag import gworker
+    gworker.QagWorker.qag = cfg  # read by each worker after fork
+    _refuse_on_stop()
     app = QagGunicorn(cfg, pin=pin and cfg.pin, workers=workers, cpu_plan=cpu_plan, segment_name=segment_name)
     app.arbiter_hooks = hooks
     try:

@@ -7,14 +7,10 @@ never misses a run committed later with a smaller id (see qag/runstore).
 from __future__ import annotations
 
 import json
-import time
 
 from qag.api.manage import ok, require_admin
 from qag.app import client_addr
 from qag.errors import ApiError
-
-KEEPALIVE_S = 15.0
-POLL_S = 0.1
 
 
 def _int(req, name, default, lo, hi):
@@ -93,60 +89,38 @@ class Usage:
 
 
 class Events:
-    """Server-Sent Events of runs; a key sees its own, an administrator all."""
+    """Server-Sent Events of runs; a key sees its own, an administrator all. Capped per key and per instance
+    (QAG_KEY_SUBSCRIBERS, QAG_MAX_SUBSCRIBERS: 503 too_many_streams); served off the request threads by the
+    worker's event hub (qag/eventhub.py)."""
 
     def __init__(self, app):
         self.app = app
 
     def on_get(self, req, resp):
-        p = self.app.runtime.authenticate(req.get_header("X-API-Key"), client_addr(req))
+        from qag.eventhub import Feed, Subscription
+        app = self.app
+        secret = req.get_header("X-API-Key")
+        p = app.runtime.authenticate(secret, client_addr(req))
         raw = req.get_header("Last-Event-ID") or req.get_param("last_event_id") or "0"
         try:
             last = int(raw)
-            if last < 0:
+            if not 0 <= last < 2 ** 63:
                 raise ValueError
         except ValueError:
             raise ApiError(400, "invalid_event_id", "Last-Event-ID must be an event id (a non-negative integer).") \
                 from None
         limit_total = _int(req, "limit", 0, 0, 10_000_000)  # 0: follow for ever
         key_name = None if p.admin else p.name
-        store = self.app.run_store()
-        runtime = self.app.runtime
-
-        def gen():
-            nonlocal last
-            sent = 0
-            yield b"retry: 1000\n\n"
-            quiet_since = time.monotonic()
-            while True:
-                if not p.admin:  # a revoked key's stream ends at once
-                    try:
-                        runtime.authenticate(req.get_header("X-API-Key"), client_addr(req))
-                    except ApiError:
-                        return
-                batch = store.events_after(last, key_name, 1000)
-                if batch:
-                    out = []
-                    for ev in batch:
-                        out.append(f"id: {ev['event_id']}\nevent: run\ndata: {json.dumps(ev)}\n\n")
-                        last = ev["event_id"]
-                        sent += 1
-                        if limit_total and sent >= limit_total:
-                            break
-                    yield "".join(out).encode()
-                    quiet_since = time.monotonic()
-                    if limit_total and sent >= limit_total:
-                        return
-                    continue
-                if time.monotonic() - quiet_since >= KEEPALIVE_S:
-                    yield b": keep-alive\n\n"
-                    quiet_since = time.monotonic()
-                time.sleep(POLL_S)
-
+        store = app.run_store()
+        holder = p.name if not p.admin else "\x00admin"
+        app.subscribers.acquire(holder)
+        feed = Feed(store=store, runtime=app.runtime, secret=secret, addr=client_addr(req), admin=p.admin,
+                    key_name=key_name, last=last, limit_total=limit_total,
+                    release=lambda: app.subscribers.release(holder))
         resp.content_type = "text/event-stream"
         resp.set_header("Cache-Control", "no-store")
         resp.set_header("X-Accel-Buffering", "no")
-        resp.stream = gen()
+        resp.stream = Subscription(feed, app.cfg.send_timeout)
 
 
 class ShmStat:

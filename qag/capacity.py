@@ -1,0 +1,104 @@
+"""Capacity: bounds on what a few callers may hold open: streams and event subscriptions per key and per instance, calls
+in flight per data connection (issue 13, "a few clients must not take the instance down").
+
+Each worker counts its own opens under a lock and publishes them in its slot's gauge cells of the shared
+segment (one writer per cell, shm/LAYOUT.md N1), so a limit "per instance" sums every worker's cells. Two
+workers deciding in the same microsecond may let one more through, never a whole worker's share.
+"""
+from __future__ import annotations
+
+import threading
+
+from qag.errors import ApiError
+
+RETRY_AFTER_S = 1
+
+
+class OpenCount:
+    """Open things of one kind (`stream`, `subscriber`): at most `per_key` of one key and `total` on the instance
+    (0: unbounded). `acquire` raises 503 `too_many_streams` with Retry-After; every acquire is paired with one
+    `release`."""
+
+    def __init__(self, kind: str, per_key: int, total: int, segment=None, slot: int = 0):
+        self.kind = kind
+        self.per_key = per_key
+        self.total = total
+        self.segment = segment if segment is not None and hasattr(segment, "gauge_cells") else None
+        self.slot = slot
+        self.lock = threading.Lock()
+        self.mine: dict[str, int] = {}
+        self.mine_total = 0
+        self._name = "qag_open_" + kind + "s"
+        self._all = (("scope", "instance"),)
+
+    def _others(self, labels: tuple, mine: int) -> float:
+        """What the other workers hold: the sum over slots, less this worker's own cell."""
+        if self.segment is None:
+            return 0
+        cells = self.segment.gauge_cells(self._name, labels)
+        return sum(cells) - cells[self.slot] if cells else 0
+
+    def _publish(self, key: str) -> None:
+        if self.segment is not None:
+            self.segment.gauge_set(self.slot, self._name, (("key", key),), self.mine.get(key, 0))
+            self.segment.gauge_set(self.slot, self._name, self._all, self.mine_total)
+
+    def acquire(self, key: str) -> None:
+        with self.lock:
+            mine = self.mine.get(key, 0)
+            if self.per_key and mine + self._others((("key", key),), mine) >= self.per_key:
+                raise self._refuse(f"This key has {self.per_key} open {self.kind}s, its limit")
+            if self.total and self.mine_total + self._others(self._all, self.mine_total) >= self.total:
+                raise self._refuse(f"This server has {self.total} open {self.kind}s, its limit")
+            self.mine[key] = mine + 1
+            self.mine_total += 1
+            self._publish(key)
+
+    def release(self, key: str) -> None:
+        with self.lock:
+            n = self.mine.get(key, 0) - 1
+            if n > 0:
+                self.mine[key] = n
+            else:
+                self.mine.pop(key, None)
+            self.mine_total = max(0, self.mine_total - 1)
+            self._publish(key)
+
+    def open(self, key: str | None = None) -> int:
+        with self.lock:
+            return self.mine.get(key, 0) if key is not None else self.mine_total
+
+    def _refuse(self, why: str) -> ApiError:
+        return ApiError(503, "too_many_streams", f"{why}; close one or retry in {RETRY_AFTER_S} s.",
+                        {"retry_after": RETRY_AFTER_S}, {"Retry-After": str(RETRY_AFTER_S)})
+
+
+class InFlight:
+    """Calls in flight per data connection in this worker (QAG_CONNECTION_CALLS; 0: unbounded): one slow
+    database cannot take every thread from the others. More get 503 `busy` with Retry-After."""
+
+    def __init__(self, bound: int):
+        self.bound = bound
+        self.lock = threading.Lock()
+        self.calls: dict[str, int] = {}
+
+    def acquire(self, name: str) -> None:
+        if not self.bound:
+            return
+        with self.lock:
+            n = self.calls.get(name, 0)
+            if n >= self.bound:
+                raise ApiError(503, "busy", f"The connection '{name}' has {self.bound} calls in flight in this "
+                               f"worker, its limit; retry in {RETRY_AFTER_S} s.",
+                               {"retry_after": RETRY_AFTER_S}, {"Retry-After": str(RETRY_AFTER_S)})
+            self.calls[name] = n + 1
+
+    def release(self, name: str) -> None:
+        if not self.bound:
+            return
+        with self.lock:
+            n = self.calls.get(name, 0) - 1
+            if n > 0:
+                self.calls[name] = n
+            else:
+                self.calls.pop(name, None)
