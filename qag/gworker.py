@@ -174,6 +174,8 @@ class FairQueue:
                 self.ready.append(key)
             else:
                 self.in_ready.discard(key)
+            if self.ready:  # more work than this thread: wake the next one (put notifies only new keys)
+                self.cond.notify()
             return conn, key
 
     def done(self, key: bytes) -> None:
