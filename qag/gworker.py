@@ -294,6 +294,7 @@ class QagWorker(ThreadWorker):
             if not conn.parser.finish_body(deadline=time.monotonic() + 1.0):
                 return False
             conn.buf += conn.parser.unreader.take_buffered()
+            conn.continued = False
             return True
         except http.errors.NoMoreData as e:
             self.log.debug("Ignored premature client disconnection. %s", e)
@@ -317,6 +318,8 @@ class QagWorker(ThreadWorker):
         try:
             self.cfg.pre_request(self, req)
             request_start = datetime.now()
+            if conn.continued:  # this worker's main thread sent the 100 already (_continue)
+                req._expected_100_continue = False
             resp, environ = wsgi.create(req, conn.sock, conn.client, conn.server, self.cfg)
             environ["wsgi.multithread"] = True
             if conn.too_many:
@@ -426,10 +429,24 @@ class QagWorker(ThreadWorker):
             conn.buf += data
             if self._submit(conn):
                 return
+            self._continue(conn)
         try:
             self.ep.modify(conn.fd, _EV_CONN)
         except (OSError, ValueError):
             self._drop(conn)
+
+    def _continue(self, conn):
+        """A client that sent `Expect: 100-continue` waits for the interim answer before its body (RFC 9110
+        10.1.1): send it from here, since the body is read here."""
+        if conn.continued:
+            return
+        end = conn.buf.find(b"\r\n\r\n")
+        if end >= 0 and b"\nexpect: 100-continue" in bytes(conn.buf[:end]).lower():
+            conn.continued = True
+            try:
+                conn.sock.send(b"HTTP/1.1 100 Continue\r\n\r\n")
+            except OSError:
+                pass
 
     def _accept(self, listener):
         """One connection per readiness event, as gthread does: every worker waits on the same listening
@@ -449,6 +466,7 @@ class QagWorker(ThreadWorker):
         conn.buf = bytearray()
         conn.too_many = False
         conn.close_after = False
+        conn.continued = False
         conn.idle_since = now = time.monotonic()
         conn.timeout = now + gthread.DEFAULT_WORKER_DATA_TIMEOUT
         with self.lock:

@@ -153,3 +153,23 @@ def test_gthread_still_selectable():
         assert requests.get(srv.base + "/health").status_code == 200
     finally:
         srv.stop()
+
+
+def test_expect_100_continue_gets_its_interim_answer(srv):
+    """The worker reads bodies itself before a thread is committed: a client waiting for `100 Continue`
+    gets it from there (once), then its answer."""
+    body = json.dumps({"name": "c100", "db": "postgres", "host": "127.0.0.1", "port": 5432,
+                       "user": "postgres", "database": "postgres"}).encode()
+    s = raw(srv)
+    try:
+        s.sendall((f"POST /api/v1/connections HTTP/1.1\r\nHost: x\r\nX-API-Key: {srv.admin['X-API-Key']}\r\n"
+                   f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                   "Expect: 100-continue\r\n\r\n").encode())
+        s.settimeout(3)
+        assert s.recv(100) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        s.sendall(body)
+        (resp,) = read_responses(s, 1)
+        assert resp.startswith(b"HTTP/1.1 201"), resp[:200]
+        assert b"100 Continue" not in resp
+    finally:
+        s.close()
