@@ -3,6 +3,13 @@
 The arbiter migrates the store, creates the shared segment before it forks, starts the recorder, and
 gives each worker a slot (its index, reused by the worker that replaces it) and one logical CPU of
 its own physical core.
+
+Sizing threads (docs/operations.md): threads wait on databases, they add no CPU. QAG_THREADS bounds the
+calls a worker has in the database at once: count the calls in flight at the peak (calls/s × mean
+database seconds per call / workers), add what the slowest key may hold (QAG_KEY_CALLS, by default all
+threads but one), and keep QAG_THREADS × workers within the sessions the database may give qag. The
+Management API and the operations routes have reserve threads (QAG_RESERVE_THREADS) and /health and
+/metrics one of their own, so none of them is sized into QAG_THREADS.
 """
 from __future__ import annotations
 
