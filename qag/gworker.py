@@ -271,7 +271,29 @@ class QagWorker(ThreadWorker):
                 return
             except (OSError, ValueError):
                 pass
-        self._drop(conn, graceful=keep is not None)
+        if keep is None:
+            self._drop(conn)
+        else:
+            self._linger(conn)
+
+    def _linger(self, conn):
+        """Close after an answer as RFC 9112 9.6 asks (FIN first, then read what the client still sends, so
+        the kernel does not reset the answer's last segment): gunicorn lingers up to 2 s in the thread; here
+        the main thread does it, and no thread waits on the client."""
+        try:
+            conn.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            self._drop(conn)
+            return
+        conn.closing = True
+        conn.drained = 0
+        conn.buf.clear()
+        conn.timeout = time.monotonic() + 2.0
+        conn.busy = False
+        try:
+            self.ep.modify(conn.fd, _EV_CONN)
+        except (OSError, ValueError):
+            self._drop(conn)
 
     def handle(self, conn):
         """One request, already whole in conn.buf: parse it, run the application, send the answer. The socket
@@ -420,10 +442,12 @@ class QagWorker(ThreadWorker):
             data = None
         except OSError:
             data = b""
-        if data == b"":
+        if data == b"" or conn.closing and (data is None or conn.drained + len(data) > 65536):
             self._drop(conn)
             return
-        if data:
+        if conn.closing:  # lingering after the last answer: what the client still sends is discarded
+            conn.drained += len(data)
+        elif data:
             if not conn.buf:
                 conn.timeout = time.monotonic() + self.header_timeout
             conn.buf += data
@@ -467,6 +491,7 @@ class QagWorker(ThreadWorker):
         conn.too_many = False
         conn.close_after = False
         conn.continued = False
+        conn.closing = False
         conn.idle_since = now = time.monotonic()
         conn.timeout = now + gthread.DEFAULT_WORKER_DATA_TIMEOUT
         with self.lock:
