@@ -241,6 +241,7 @@ fn error_response(err: &ApiError, rid: &str) -> Response<Body> {
     h.insert("content-type", HeaderValue::from_static("application/json"));
     h.insert("x-request-id", HeaderValue::from_str(rid).unwrap_or(HeaderValue::from_static("-")));
     h.insert("cache-control", HeaderValue::from_static("no-store"));
+    h.insert("x-content-type-options", HeaderValue::from_static("nosniff"));
     r
 }
 
@@ -288,6 +289,10 @@ async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Option<IpAddr>)
     let name = &path[3..];
     if !is_query_name(name) {
         return Decision::Forward("query name");
+    }
+    if req.headers().contains_key("origin") {
+        // CORS (QAG_CORS_ORIGINS) is Python's: it decides which origins get Access-Control-Allow-Origin.
+        return Decision::Forward("browser call (Origin)");
     }
     let Some(secret) = single_header(req, "x-api-key") else { return Decision::Forward("no single X-API-Key") };
     if secret.is_empty() || sh.admin_key.as_deref() == Some(secret) {
@@ -449,6 +454,9 @@ async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Option<IpAddr>)
     h.insert("x-page-size", num(opts.page_size));
     h.insert("x-row-count", num(nrows as i64));
     h.insert("x-has-more", HeaderValue::from_static(if has_more { "true" } else { "false" }));
+    // as Python's answers (qag/app.py RequestIdMiddleware): never sniffed; the plane serves no cache_ttl query
+    h.insert("cache-control", HeaderValue::from_static("no-store"));
+    h.insert("x-content-type-options", HeaderValue::from_static("nosniff"));
     if opts.format == Format::Csv {
         // Python's formats.disposition(): a CSV answer is a download, named for its query.
         let mut safe: String = name.chars().map(|c| if c.is_ascii_alphanumeric() || "._-".contains(c) { c } else { '_' }).collect();
