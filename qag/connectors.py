@@ -30,14 +30,17 @@ S4 A hung database. Every call is watched: at its limit + DEADLINE_MARGIN (1.0 s
    `connection_timeout`).
 S5 No state from one caller to the next. A statement is *state-free* when `state_free()` proves it (one
    SELECT, no INTO, no locking clause, no user-variable assignment, every function on the short list of
-   built-ins below that read nothing but their arguments, and no relation that is a view: its definition may
-   call anything); the plan carries the verdict (`Plan.state_free`, plan entry field `state_free`). After a call whose statement is not proven state-free, the session
-   is reset before it goes back to the pool: PostgreSQL `DISCARD ALL` (settings back to the startup
-   packet's, advisory locks, prepared statements, temp tables, LISTEN, cursors gone); MariaDB/MySQL
-   COM_RESET_CONNECTION and S1's SET again. After every call, whatever the verdict, a session that is not
-   idle (PostgreSQL PQtransactionStatus != IDLE; MySQL in a transaction) is rolled back and reset, and a
-   PostgreSQL session whose reported `default_transaction_read_only` or `session_authorization`
-   (ParameterStatus) differs from what it opened with is discarded. A reset that fails discards.
+   built-ins below that read nothing but their arguments) and it reads no view (a view's definition may call
+   anything; plan.py checks the connection's views); the plan carries the verdict (`Plan.state_free`, plan
+   entry field `state_free`). After a call whose statement is not proven state-free, the session is reset
+   before it goes back to the pool: PostgreSQL `DISCARD ALL` (settings back to the startup packet's, advisory
+   locks, prepared statements, temp tables, LISTEN, cursors gone: one round trip); MariaDB/MySQL
+   COM_RESET_CONNECTION then one `SET NAMES 'utf8mb4' COLLATE <the session's>, autocommit = <1 read, 0 write>,
+   sql_mode = <the session's>, <S1's settings>` (two round trips). Writes are always reset. After every call,
+   whatever the verdict, a session that is not idle (PostgreSQL PQtransactionStatus != IDLE; MySQL in a
+   transaction) is rolled back and reset, and a PostgreSQL session whose reported
+   `default_transaction_read_only` or `session_authorization` (ParameterStatus) differs from what it opened
+   with is discarded. A reset that fails discards.
 S6 Stale sessions. A pooled session that fails with a connectivity error (PostgreSQL: the connection is
    closed after the error; MySQL: client errors 2006, 2013, 2055 and server errors 1053, 1927) is
    dropped, and so is every idle session of its pool opened before the failure (after a restart they are
@@ -60,6 +63,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import socket
 import sqlite3
 import threading
@@ -79,6 +83,7 @@ except ImportError:  # pragma: no cover
 try:
     import mysql.connector as mysql_connector
     import mysql.connector.errors as mysql_errors
+    from mysql.connector.constants import ServerCmd
     from mysql.connector.cursor import MySQLCursor
 except ImportError:  # pragma: no cover
     mysql_connector = None  # type: ignore[assignment]
@@ -273,7 +278,7 @@ class _Session:
         self.sock = sock          # a socket object on the session's connection, for cut()
         self.fired = False        # the watchdog cut this session
         self.own_sock = own_sock  # sock is a dup of the driver's descriptor, closed with the session
-        self.auth = None          # PostgreSQL: session_authorization at open (S5)
+        self.auth = None          # S5: PostgreSQL session_authorization at open; MySQL (reset SET, sql_mode)
 
     def cut(self) -> None:
         try:
@@ -684,12 +689,15 @@ class MySQLConnector(Connector):
     def default_schema(self) -> str:
         return self.row.get("database") or ""
 
-    def _session_sql(self, write: bool) -> str:
-        """S1: the one SET of a new session, also sent again after a reset (S5)."""
+    def _session_vars(self, write: bool) -> str:
+        """S1: the session settings of one SET, sent when the session opens and again after a reset (S5)."""
         ms = limit_ms(None, self.timeout)
         if self.mariadb:
-            return f"SET SESSION max_statement_time = {ms / 1000:.3f}" + ("" if write else ", tx_read_only = 1")
-        return f"SET SESSION max_execution_time = {ms}" + ("" if write else ", transaction_read_only = 1")
+            return f"max_statement_time = {ms / 1000:.3f}" + ("" if write else ", tx_read_only = 1")
+        return f"max_execution_time = {ms}" + ("" if write else ", transaction_read_only = 1")
+
+    def _session_sql(self, write: bool) -> str:
+        return "SET SESSION " + self._session_vars(write)
 
     def _open(self, write: bool) -> _Session:
         if mysql_connector is None:
@@ -709,9 +717,13 @@ class MySQLConnector(Connector):
             cur.execute(conn._init_command)
             # mysql-connector reads sql_mode lazily, through cursor() (a ping and a query) at the first call with
             # parameters: read it here, once per session
-            cur.execute("SELECT @@session.sql_mode")
-            conn._sql_mode = cur.fetchall()[0][0]
+            cur.execute("SELECT @@session.sql_mode, @@collation_connection")
+            conn._sql_mode, collation = cur.fetchall()[0]
             cur.close()
+            # S5's reset: COM_RESET_CONNECTION, then this one SET (mysql-connector's own reset re-sends five)
+            if re.fullmatch(r"[A-Za-z0-9_]+", collation or ""):
+                sess.auth = (f"SET NAMES 'utf8mb4' COLLATE '{collation}', autocommit = {0 if write else 1}, "
+                             f"sql_mode = %s, {self._session_vars(write)}", conn._sql_mode)
         except mysql_errors.Error as exc:
             raise connection_failed(self.name, _first_line(exc, self.password)) from None
         return sess
@@ -784,8 +796,14 @@ class MySQLConnector(Connector):
                 conn.rollback()
                 clean = False
             if not clean:
-                if not conn.cmd_reset_connection():  # S5: COM_RESET_CONNECTION, then S1's SET (init_command)
-                    return False
+                if sess.auth is None:
+                    if not conn.cmd_reset_connection():  # S5: COM_RESET_CONNECTION, then S1's SET (init_command)
+                        return False
+                else:
+                    conn._handle_ok(conn._send_cmd(ServerCmd.RESET_CONNECTION))
+                    cur = MySQLCursor(conn)
+                    cur.execute(sess.auth[0], (sess.auth[1],))
+                    cur.close()
                 self.resets += 1
             return True
         except Exception:

@@ -86,6 +86,14 @@ def test_mariadb_one_query_per_read_and_no_ping(pmy):
         after = pmy.status(*names)
         delta = {k: after[k] - before[k] - probe[k] for k in names}
         assert delta == {"Questions": 70, "Com_admin_commands": 0, "Com_select": 70}, delta
+        # a read not proven state-free: the statement, COM_RESET_CONNECTION and one SET (S5)
+        before = pmy.status(*names)
+        for i in range(10):
+            c.run("SELECT @leak := %s", (i,), write=False, timeout=None, max_rows=None)
+        after = pmy.status(*names)
+        delta = {k: after[k] - before[k] - probe[k] for k in names}
+        assert delta["Com_admin_commands"] == 10 and delta["Questions"] <= 30, delta
+        assert c.run("SELECT @leak, @@tx_read_only", (), write=False, timeout=None, max_rows=None)[1] == [(None, 1)]
     finally:
         c.close()
 
