@@ -324,6 +324,7 @@ class QagWorker(ThreadWorker):
             self.log.debug("Closing connection. %s", e)
         except TimeoutError:
             self.log.debug("A client stopped reading for %s s: dropped", self.send_timeout)
+            self._observe("send_timeout")
         except OSError as e:
             if e.errno not in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):
                 self.log.exception("Socket error processing request.")
@@ -512,6 +513,7 @@ class QagWorker(ThreadWorker):
         with self.lock:
             idle = [c for c in self.conns.values() if not c.busy]
         if idle:
+            self._observe("evicted")
             self._drop(min(idle, key=lambda c: (bool(c.buf), c.idle_since)))
 
     def _set_accepting(self, on: bool):
@@ -532,7 +534,17 @@ class QagWorker(ThreadWorker):
         with self.lock:
             idle = [c for c in self.conns.values() if not c.busy and (force or c.timeout <= now)]
         for conn in idle:
+            if conn.buf and not conn.closing and not force:
+                self._observe("header_timeout")
             self._drop(conn)
+
+    def _observe(self, reason: str) -> None:
+        observer = getattr(self.wsgi, "observer", None)  # qag's app; any other WSGI app has none
+        if observer is not None:
+            try:
+                observer.http_dropped(reason)
+            except Exception:  # a metric must never take the worker's loop down
+                pass
 
     def _dispatch(self, timeout: float):
         try:

@@ -40,6 +40,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                              "the store)."), ()),
     "qag_limits_fallback_total": ("counter", "Limit and quota decisions made on this host because Redis did not "
                                   "answer, by reason.", ("reason",)),
+    "qag_http_dropped_total": ("counter", "Client connections a worker closed on the client's account, by reason "
+                               "(header_timeout, send_timeout, evicted at QAG_MAX_CONNECTIONS).", ("reason",)),
 }
 
 # Series exported from the first scrape, before anything happened: `increase()` needs a sample before the
@@ -48,6 +50,7 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 INITIAL_LABELS: dict[str, tuple[tuple[str, ...], ...]] = {
     "qag_plan_cache_total": (("hit",), ("miss",)),
     "qag_limits_fallback_total": (("redis_unavailable",),),
+    "qag_http_dropped_total": (("header_timeout",), ("send_timeout",), ("evicted",)),
 }
 
 def reference_markdown() -> str:
@@ -138,6 +141,11 @@ class Observer:
     def store_statement(self) -> None:
         with self.lock:
             self.backend.counter_add(self.slot, "qag_store_statements_total", (), 1)
+
+    def http_dropped(self, reason: str) -> None:
+        """The HTTP worker closed a client's connection on the client's account (qag/gworker.py)."""
+        with self.lock:
+            self.backend.counter_add(self.slot, "qag_http_dropped_total", (("reason", reason),), 1)
 
     def run_recorded(self, ok: bool) -> None:
         with self.lock:

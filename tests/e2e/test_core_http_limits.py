@@ -68,6 +68,14 @@ def assert_fast(srv, keys):
         assert status == 200 and took < FAST_S, (path, status, took)
 
 
+def dropped(srv, reason: str) -> float:
+    """qag_http_dropped_total{reason=...} from /metrics."""
+    for line in requests.get(srv.base + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(f'qag_http_dropped_total{{reason="{reason}"}}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def idle_in_transaction() -> int:
     return pg_exec("postgresql://postgres@127.0.0.1:5432/postgres",
                    "SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND application_name = 'qag' "
@@ -89,6 +97,7 @@ def test_idle_connections_past_the_limit_do_not_lock_out_callers(dsn):
             assert s.recv(4096).startswith(b"HTTP/1.1 200")
         socks = kept + [socket.create_connection(addr(srv), timeout=10) for _ in range(500)]
         assert_fast(srv, keys)
+        assert dropped(srv, "evicted") >= 100
     finally:
         for s in socks:
             s.close()
@@ -122,6 +131,7 @@ def test_slowloris_holds_no_thread(dsn):
             except ConnectionResetError:
                 pass
         assert time.monotonic() - t < 8  # closed at the header deadline, not held
+        assert dropped(srv, "header_timeout") == 12
     finally:
         for s in socks:
             s.close()
@@ -159,6 +169,10 @@ def test_stalled_stream_readers_are_capped_and_dropped(dsn):
         while time.monotonic() < deadline and idle_in_transaction():
             time.sleep(0.2)
         assert idle_in_transaction() == 0
+        deadline = time.monotonic() + 5
+        while dropped(srv, "send_timeout") < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert dropped(srv, "send_timeout") == 2
         r = requests.get(srv.base + "/q/big?format=csv&stream=true", headers=keys["a"], timeout=60)
         assert r.status_code == 200 and r.text.count("\n") == 400001  # the slots were given back
         runs = requests.get(srv.base + "/api/v1/history?query=big&status=500", headers=srv.admin, timeout=30)
