@@ -78,8 +78,11 @@ def _csv_value(v):
         return "true" if v else "false"
     if isinstance(v, (str, int, float)):
         return v
+    if isinstance(v, (dict, list, tuple)):
+        # a JSON or record value: its JSON text, exactly as the json format writes it (not Python's repr)
+        return _encode(v)
     d = _default(v)
-    return d if isinstance(d, (str, int, float)) else json.dumps(d)
+    return d if isinstance(d, (str, int, float)) else _encode(d)
 
 
 def render_csv(columns: list[str], rows: list[tuple]) -> bytes:

@@ -36,3 +36,10 @@ def test_streamers_match_renderers():
 
 def test_unicode_not_escaped():
     assert render.render_json(["n"], [("Zoë",)]) == '[{"n":"Zoë"}]'.encode()
+
+
+def test_a_json_value_in_csv_and_tsv_is_its_json_text_not_pythons_repr():
+    from qag import formats, render
+    row = [({"v": 1, "é": [1, None]}, [1, "a"])]
+    assert render.render_csv(["d", "a"], row) == 'd,a\r\n"{""v"":1,""é"":[1,null]}","[1,""a""]"\r\n'.encode()
+    assert formats.render_tsv(["d"], [({"v": True},)]) == 'd\r\n"{""v"":true}"\r\n'.encode()
