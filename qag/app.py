@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 import math
 import os
 import re
@@ -321,12 +322,16 @@ class DataResource:
                 rt.limiter.count_rows(limits, run["rows"])
         except ApiError as err:
             app.finish(req, run, err.status, err.code, t0, query_seconds, plan_hit)
+            if err.status >= 500 or err.status == 403:
+                log_refusal(req, run, err, getattr(err, "db_text", ""))
             if isinstance(err, DatabaseError) and "principal" in locals() and principal.admin:
                 raise err.for_admin() from None
             raise
         except QueryFailed as exc:
             app.finish(req, run, 500, "query_failed", t0, query_seconds, plan_hit)
-            raise query_failed(exc, "principal" in locals() and principal.admin) from None
+            err = query_failed(exc, "principal" in locals() and principal.admin)
+            log_refusal(req, run, err, getattr(exc, "db_text", ""))
+            raise err from None
 
     def stream(self, req, resp, plan, connector, args, opts, principal, run, t0):
         """`?stream=true`: the whole result from a server-side cursor, in bounded memory. A stream holds a thread
@@ -393,6 +398,18 @@ class DataResource:
         resp.content_type = render.FORMATS[opts.format]
         resp.set_header("Content-Disposition", formats.disposition(plan.query, opts.format))
         resp.stream = body()
+
+
+_log = logging.getLogger("qag.calls")
+
+
+def log_refusal(req, run: dict, err, db_text: str = "") -> None:
+    """One line per 5xx and per governance refusal (403), for the operator: who, what, which code, and the
+    database's own words. Never a secret and never a parameter value (those stay in the caller's request)."""
+    _log.warning("%s %s: %s %s (request %s, key %s, query %s, version %s)%s", req.method, req.path, err.status,
+                 err.code, req.context.get("request_id", "-") if hasattr(req.context, "get") else "-",
+                 run.get("key_name") or "(administrator)", run.get("query"), run.get("version"),
+                 f"; the database said: {db_text}" if db_text else "")
 
 
 def _claims(principal, plan, given: dict) -> dict:
@@ -604,6 +621,11 @@ class QagApp:
             recorded = self.recorder(run)
         self.observer.request(DataResource.ROUTE, status, code, run["rows"], duration, query_seconds, plan_hit,
                               recorded)
+        slow = self.cfg.slow_ms
+        if slow and duration * 1000 >= slow:
+            _log.warning("slow call: %s %s took %.1f ms (QAG_SLOW_MS=%d; request %s, key %s, status %s)", req.method,
+                         req.path, duration * 1000, slow, req.context.request_id, run.get("key_name") or
+                         "(administrator)", status)
 
     # -- errors --------------------------------------------------------------------------------
     def _on_api_error(self, req, resp, err, params):

@@ -110,6 +110,13 @@ def _origins(text: str) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _log_level(text: str) -> str:
+    v = text.strip().lower()
+    if v not in ("debug", "info", "warning", "error", "critical"):
+        raise ValueError("must be debug, info, warning, error or critical")
+    return v
+
+
 def _str(text: str) -> str:
     return text
 
@@ -171,7 +178,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_subscribers", "QAG_MAX_SUBSCRIBERS", _nonneg_int, "64", "Open /events subscriptions on the instance; more get 503 too_many_streams.", "int"),
     Setting("key_subscribers", "QAG_KEY_SUBSCRIBERS", _nonneg_int, "4", "Open /events subscriptions of one key on the instance.", "int"),
     Setting("cors_origins", "QAG_CORS_ORIGINS", _origins, "", "Comma-separated origins (https://app.example.com) allowed to call from a browser; empty: CORS off.", "list"),
-    Setting("log_level", "QAG_LOG_LEVEL", _str, "info", "Log level of the arbiter and workers.", "str"),
+    Setting("log_level", "QAG_LOG_LEVEL", _log_level, "info", "Log level of the arbiter and workers.", "str"),
     Setting("access_log", "QAG_ACCESS_LOG", _bool, "0", "Write a gunicorn access log line per request (runs are the access log).", "bool"),
     Setting("redis_url", "QAG_REDIS_URL", _redis_url, "", "Redis shared by every host for rate limits and quotas (empty: counted per host).", "url"),
     Setting("jwt_secret", "QAG_JWT_SECRET", _str, "", "Shared secret for HS256 tokens of signed-in callers (empty: HS256 refused).", "str"),
@@ -180,6 +187,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("jwt_audience", "QAG_JWT_AUDIENCE", _str, "", "Required aud of tokens (empty: not checked).", "str"),
     Setting("jwt_role_claim", "QAG_JWT_ROLE_CLAIM", _str, "role", "The claim naming a signed-in caller's role.", "str"),
     Setting("jwt_leeway_seconds", "QAG_JWT_LEEWAY_SECONDS", _nonneg_int, "30", "Clock skew allowed on exp and nbf.", "seconds"),
+    Setting("slow_ms", "QAG_SLOW_MS", _nonneg_int, "0", "Log every data call slower than this many milliseconds (0: none).", "ms"),
     Setting("console_session_seconds", "QAG_CONSOLE_SESSION_SECONDS", _pos_int, "28800", "Lifetime of a Console sign-in (the session cookie and its row in the store).", "seconds"),
 )
 
@@ -219,6 +227,15 @@ def load(environ: dict[str, str] | None = None, **overrides: Any) -> Config:
                            f"QAG_RUN_WRITERS={values['run_writers']}")
     values["home"] = os.path.abspath(os.path.expanduser(values["home"]))
     return Config(values)
+
+
+def unknown_variables(environ: dict[str, str] | None = None) -> list[str]:
+    """QAG_* variables that name no setting: most often a misspelt one, which would otherwise be ignored."""
+    env = os.environ if environ is None else environ
+    known = {s.env for s in SETTINGS} | {"QAG_MASK_KEY_FILE", "QAG_SHM_FENCE"}
+    # the plane's own knobs (rustplane/README.md) and the tests' and bench's
+    prefixes = ("QAG_PLANE_", "QAG_TEST_", "QAG_FUZZ_", "QAG_BURST_", "QAG_SHM_STRESS_")
+    return sorted(k for k in env if k.startswith("QAG_") and k not in known and not k.startswith(prefixes))
 
 
 def reference_markdown() -> str:

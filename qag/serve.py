@@ -180,7 +180,11 @@ def _refuse_on_stop() -> None:
 
 def run(cfg, *, pin: bool = True, plane: bool = False, plane_threads: int | None = None) -> int:
     """Start the arbiter in this process (returns when it stops)."""
+    from qag import config as _config
     from qag.store import Store, StoreUnavailable
+    for name in _config.unknown_variables():
+        print(f"qag: warning: {name} is not a qag setting (misspelt?); it is ignored. `qag config` lists them.",
+              file=sys.stderr)
     store = Store(home=cfg.home, database_url=cfg.database_url, secret_key=cfg.secret_key)
     try:
         store.migrate()
@@ -190,6 +194,10 @@ def run(cfg, *, pin: bool = True, plane: bool = False, plane_threads: int | None
     except Exception as exc:  # e.g. a corrupt SQLite file, a PostgreSQL permission error
         print(f"qag: cannot start: the metadata store failed to open: {exc}", file=sys.stderr)
         return EXIT_STORE
+    if not cfg.admin_key and not store.run(lambda cur: (cur.execute("SELECT 1 FROM qag_admins WHERE active = 1"),
+                                                        cur.fetchone())[1]):
+        print("qag: warning: no administrator can sign in (QAG_ADMIN_KEY is empty and there is no administrator "
+              "token): create one with `qag admins create NAME`", file=sys.stderr)
     plane_opts = None
     if plane:
         from qag import arbiter as _arb

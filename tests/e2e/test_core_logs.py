@@ -1,0 +1,65 @@
+"""Logs that say why, from a real `qag serve`: a 500 query_failed and a governance refusal each write one line with
+the request id, key, query and code (and the database's words for the 500), never the parameter values; calls over
+QAG_SLOW_MS are logged; a misspelt QAG_* variable and a start without any administrator are warned about; a
+malformed log level stops the start with its name."""
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+
+import requests
+
+from tests.conftest import ROOT
+
+
+def test_refusals_and_failures_are_logged_once_with_their_reason(server_factory, tmp_path):
+    data = str(tmp_path / "d.db")
+    db = sqlite3.connect(data)
+    db.executescript("CREATE TABLE t (id INTEGER, secret TEXT); INSERT INTO t VALUES (1, 'x');")
+    db.commit()
+    db.close()
+    srv = server_factory({"QAG_SLOW_MS": "1", "QAG_LOG_LEVEL": "warning", "QAG_TYPO_SETTING": "1"},
+                         args=("--workers", "1"))
+    adm = srv.admin
+    post = lambda p, b: requests.post(srv.base + p, json=b, headers=adm, timeout=10)  # noqa: E731
+    assert post("/api/v1/connections", {"name": "d", "db": "sqlite", "database": data}).status_code == 201
+    assert post("/api/v1/queries", {"name": "boom", "connection_name": "d", "publish": True,
+                                    "sql": "SELECT json(:doc) AS x FROM t",
+                                    "parameters": {"doc": "str"}}).status_code == 201
+    assert post("/api/v1/queries", {"name": "secrets", "connection_name": "d", "publish": True,
+                                    "sql": "SELECT secret FROM t"}).status_code == 201
+    key = post("/api/v1/api-keys", {"name": "scoped", "queries": ["*"], "allowed_tables": ["other"]}).json()["secret"]
+    plain = post("/api/v1/api-keys", {"name": "plain", "queries": ["*"]}).json()["secret"]
+    r = requests.get(srv.base + "/q/boom", params={"doc": "31337-not-json"}, headers={"X-API-Key": plain,
+                                                                           "X-Request-Id": "rid-boom"}, timeout=10)
+    assert r.status_code == 500 and r.json()["code"] == "query_failed"
+    assert "malformed" not in r.text, "the database's words are for administrators"
+    r = requests.get(srv.base + "/q/secrets", headers={"X-API-Key": key, "X-Request-Id": "rid-refused"}, timeout=10)
+    assert r.status_code == 403
+    time.sleep(0.5)
+    log = srv.log()
+    lines = [line for line in log.splitlines() if "slow call" not in line]
+    boom = [line for line in lines if "rid-boom" in line and "query_failed" in line]
+    assert len(boom) == 1 and "plain" in boom[0] and "boom" in boom[0] and "malformed" in boom[0].lower(), log
+    assert "31337" not in boom[0], "parameter values are never logged"
+    refused = [line for line in lines if "rid-refused" in line and "403" in line]
+    assert len(refused) == 1 and "table_not_allowed" in refused[0] and "scoped" in refused[0], log
+    assert "slow call" in log
+    assert "QAG_TYPO_SETTING is not a qag setting" in log
+    assert "no administrator can sign in" not in log
+
+
+def test_start_warnings_and_a_bad_log_level(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QAG_")}
+    env.update(QAG_HOME=str(tmp_path / "h"), QAG_LOG_LEVEL="loud")
+    r = subprocess.run([sys.executable, "-m", "qag.cli", "serve"], env=env, cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode != 0 and "QAG_LOG_LEVEL" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_no_administrator_is_warned_about(server_factory):
+    srv = server_factory({"QAG_ADMIN_KEY": ""}, args=("--workers", "1"))
+    assert "qag admins create NAME" in srv.log()
