@@ -387,3 +387,31 @@ def test_closing_connections_linger_without_a_thread(dsn):
         for s in socks:
             s.close()
         srv.stop()
+
+
+def test_calls_per_data_connection_are_bounded_when_asked(dsn):
+    """QAG_CONNECTION_CALLS=2: a third call in flight on the same data connection, whichever key makes it,
+    is answered 503 busy with Retry-After at once instead of taking a thread for the whole slow call."""
+    srv = start_server({"QAG_CONNECTION_CALLS": "2"}, args=("--workers", "1", "--threads", "6"))
+    try:
+        keys = setup(srv)
+        out = []
+
+        def call(who):
+            r = requests.get(srv.base + "/q/slow", headers=keys[who], timeout=60)
+            out.append((r.status_code, r.headers.get("Retry-After"), r.json()))
+        ts = [threading.Thread(target=call, args=("a",)), threading.Thread(target=call, args=("b",))]
+        for t in ts:
+            t.start()
+        time.sleep(0.8)
+        t0 = time.monotonic()
+        r = requests.get(srv.base + "/q/fast", headers=keys["b"], timeout=30)
+        assert time.monotonic() - t0 < FAST_S
+        assert r.status_code == 503 and r.headers["Retry-After"] == "1", r.text
+        assert r.json()["code"] == "busy" and r.json()["retry_after"] == 1
+        for t in ts:
+            t.join(60)
+        assert sorted(x[0] for x in out) == [200, 200]
+        assert requests.get(srv.base + "/q/fast", headers=keys["b"], timeout=30).status_code == 200
+    finally:
+        srv.stop()
