@@ -224,24 +224,32 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
     sid = source_id or source_identity(source)
     rings = [source.ring(i) for i in range(source.ring_count())]
     state = RecorderState(sid)
-    try:
+    writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qag-recorder-writer")
+    if journal is None:
         durable = store.positions(sid)
-    except Exception as e:
-        if journal is None:
-            raise
-        durable = {}
-        state.store_up = False
-        state.store_down_since = time.monotonic()
-        state.last_error = f"{type(e).__name__}: {e}"[:500]
-        log.info("run store unavailable at start (%s); spilling runs to the journal %s", state.last_error,
-                 journal.dir)
+    else:
+        # Not from this thread: a store that does not answer (a held lock, a frozen server) must not
+        # keep the rings from being drained; whatever the answer is, the drainer runs after it.
+        first = writer.submit(lambda: store.positions(sid))
+        wait_for_futures([first], timeout=spill_after_s)
+        if first.done() and first.exception() is None:
+            durable = first.result()
+        else:
+            durable = {}
+            state.store_up = False
+            state.store_down_since = time.monotonic()
+            e = first.exception() if first.done() else None
+            state.last_error = (f"{type(e).__name__}: {e}" if e else f"no answer in {spill_after_s:.1f} s")[:500]
+            if not first.done():
+                first.add_done_callback(_quiet)
+            log.info("run store unavailable at start (%s); spilling runs to the journal %s", state.last_error,
+                     journal.dir)
     if journal is not None:
         for slot, p in journal.ring_positions(sid).items():
             if p > durable.get(slot, -1):
                 durable[slot] = p
     cursor = resume_positions(rings, durable)
     state.positions = dict(cursor)
-    writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qag-recorder-writer")
     pending = None            # (future, {slot: pos}, n, chunks, submitted at, prepared) of the batch being committed
     batch: list = []          # [(slot, [(pos_after, payload), ...])], one chunk per ring read
     nbatch = 0

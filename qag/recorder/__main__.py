@@ -82,14 +82,14 @@ def main(argv=None) -> int:
                      journal.pending_bytes)
 
     store = LazyStore(args.store)
-    try:
-        store.open()
-    except Exception as e:  # noqa: BLE001 - with a journal, record into it until the store is back
-        if journal is None:
+    if journal is None:
+        try:
+            store.open()
+        except Exception as e:  # noqa: BLE001 - report and let the arbiter restart us with backoff
             log.error("run store %s unavailable: %s", _redact(args.store), e)
             return EXIT_STORE
-        log.warning("run store %s unavailable at start (%s): recording into the journal %s until it is back",
-                    _redact(args.store), e, jdir)
+    # With a journal the store is opened on first use, by the recorder's writer thread: a store away
+    # or not answering at start never keeps the rings from being drained (into the journal).
 
     publish = None
     if args.slot is not None:
@@ -162,10 +162,17 @@ class LazyStore:
     a recorder starts, and records into its journal, while the store is away."""
 
     def __init__(self, url: str):
+        import threading
+
         self.url = url
         self._store = None
+        self._lock = threading.Lock()
 
     def open(self):
+        with self._lock:
+            return self._open()
+
+    def _open(self):
         if self._store is None:
             from ..runstore import open_store
 
@@ -179,6 +186,8 @@ class LazyStore:
         return self._store
 
     def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
         return getattr(self.open(), name)
 
     def close(self):

@@ -239,3 +239,92 @@ def test_history_with_a_bad_filter_is_still_400(app_client, tmp_path):
     app_client.app_obj.run_store_url = str(tmp_path / "runs.db")
     r = app_client.simulate_get("/api/v1/history", params={"since": "yesterday"}, headers={"X-API-Key": "adm"})
     assert r.status_code == 400 and r.json["code"] == "invalid_filter"
+
+
+def test_recorder_sigkilled_during_the_outage_and_during_the_drain_loses_and_duplicates_nothing(tmp_path):
+    """`python -m qag.recorder` on a real segment, producers in other processes; the SQLite store is
+    locked by this test (the recorder's commits wait), the recorder is SIGKILLed at random moments while
+    it spills, the lock goes, and it is SIGKILLed again while the journal drains: every run once."""
+    import random
+    import signal
+    import sqlite3
+    import subprocess
+    import sys
+    import uuid
+
+    import posix_ipc
+
+    from shm import Segment
+    from tests.integration.test_recorder_shm import PRODUCER, ROOT, _cmdline, env
+
+    per = 12_000
+    name = f"/qag-jkill-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    seg = Segment.create(name, slots=3)
+    url = str(tmp_path / "runs.db")
+    jdir = str(tmp_path / "journal")
+    store = FlakyStore(url)
+    rnd = random.Random(13)
+    e = dict(env(), QAG_JOURNAL_SPILL_AFTER_MS="200", QAG_HOME=str(tmp_path))
+    logf = open(tmp_path / "recorder.log", "ab")  # noqa: SIM115 - shared by the recorders of this test
+
+    def recorder():
+        p = subprocess.Popen([sys.executable, "-m", "qag.recorder", "--segment", name, "--store", url, "--slot", "2",
+                              "--batch-max", "500", "--batch-ms", "20", "--journal", jdir],
+                             cwd=ROOT, env=e, stdout=logf, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while _cmdline(p.pid) != "qag: recorder" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return p
+
+    rec = recorder()
+    lock = sqlite3.connect(url, isolation_level=None, timeout=30)
+    producers = []
+    try:
+        producers = [subprocess.Popen([sys.executable, "-c", PRODUCER, name, str(s), str(per)], cwd=ROOT, env=e,
+                                      stdout=subprocess.PIPE) for s in (0, 1)]
+        time.sleep(0.5)
+        lock.execute("BEGIN EXCLUSIVE")
+        for _ in range(3):
+            time.sleep(rnd.uniform(0.3, 1.0))
+            rec.send_signal(signal.SIGKILL)
+            rec.wait(10)
+            rec = recorder()
+        for p in producers:
+            out, _ = p.communicate(timeout=120)
+            assert p.returncode == 0 and out.strip() == b"0", out  # the rings never stayed full
+        rings = [seg.ring(0), seg.ring(1)]
+        wait(lambda: all(r.tail == r.head for r in rings), timeout=60)
+        assert len(store.request_ids()) < 2 * per  # the outage held runs back
+        lock.execute("ROLLBACK")
+        for _ in range(2):  # killed again while the journal drains
+            time.sleep(rnd.uniform(0.05, 0.3))
+            rec.send_signal(signal.SIGKILL)
+            rec.wait(10)
+            rec = recorder()
+        try:
+            wait(lambda: len(store.request_ids()) >= 2 * per, timeout=120)
+        except AssertionError:
+            raise AssertionError(f"{len(store.request_ids())} of {2 * per} runs stored; recorder log:\n"
+                                 + (tmp_path / "recorder.log").read_text()[-3000:]) from None
+        time.sleep(1)
+        rec.send_signal(signal.SIGTERM)
+        rec.wait(30)
+    finally:
+        for p in producers + [rec]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        lock.close()
+        seg.close()
+        for unlink in (lambda: posix_ipc.unlink_shared_memory(name), lambda: posix_ipc.unlink_semaphore(name + "-w"),
+                       lambda: posix_ipc.unlink_semaphore(name + "-r")):
+            try:
+                unlink()
+            except posix_ipc.ExistentialError:
+                pass
+    ids = store.request_ids()
+    assert len(ids) == len(set(ids)) == 2 * per
+    assert set(ids) == {f"p{s}-{i}" for s in (0, 1) for i in range(per)}
+    c = store.counts()
+    assert c == {"qag_events": 2 * per, "qag_history": 2 * per, "usage_calls": 2 * per}
+    assert not os.path.exists(jdir)  # a clean stop with an empty journal removes it
