@@ -97,6 +97,11 @@ def resume_positions(rings, durable: dict[int, int]) -> dict[int, int]:
     return cursor
 
 
+# Most the recorder waits at start for the store's first answer (opening it: chDB in-process takes ~6 s
+# here) before it drains the rings into the journal instead; it stops waiting sooner if a ring is half
+# full. The rings hold ~30 s by default.
+START_WAIT_S = 30.0
+DRAIN_MAX = 20_000
 CLOSE_S = 1.0  # most a new batch waits, leaving the journal, for the drain that empties it
 
 
@@ -231,7 +236,10 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
         # Not from this thread: a store that does not answer (a held lock, a frozen server) must not
         # keep the rings from being drained; whatever the answer is, the drainer runs after it.
         first = writer.submit(lambda: store.positions(sid))
-        wait_for_futures([first], timeout=spill_after_s)
+        t_end = time.monotonic() + START_WAIT_S
+        while not first.done() and time.monotonic() < t_end and not stop_event.is_set() \
+                and all(r.head - r.tail < r.capacity // 2 for r in rings):
+            wait_for_futures([first], timeout=0.05)
         if first.done() and first.exception() is None:
             durable = first.result()
         else:
@@ -239,7 +247,7 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
             state.store_up = False
             state.store_down_since = time.monotonic()
             e = first.exception() if first.done() else None
-            state.last_error = (f"{type(e).__name__}: {e}" if e else f"no answer in {spill_after_s:.1f} s")[:500]
+            state.last_error = (f"{type(e).__name__}: {e}" if e else "no answer at start")[:500]
             if not first.done():
                 first.add_done_callback(_quiet)
             log.info("run store unavailable at start (%s); spilling runs to the journal %s", state.last_error,
@@ -558,7 +566,9 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
                 if spilling and drain_fut is None and pending is None:
                     if journal.pending_bytes > 0 or not state.store_up:
                         if now >= next_drain:
-                            drain_fut = writer.submit(drainer.step, batch_max)
+                            # larger drains than batches: the journal is a backlog (one insert or
+                            # transaction per drain has a fixed cost)
+                            drain_fut = writer.submit(drainer.step, max(batch_max, DRAIN_MAX))
                     elif not held:
                         spilling = False  # the journal is in the store: newer runs go straight there
                         closing = 0.0
@@ -572,7 +582,10 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
                 batch = []
                 nbatch = 0
                 continue
-            if stopping and not got:
+            if stopping and not got and spilling and (journal.pending_bytes or held or batch) \
+                    and time.monotonic() < stop_deadline:
+                pass  # stopping: give the journal's drain (if the store is back) until the deadline
+            elif stopping and not got:
                 if pending is not None:
                     finish(pending)
                     pending = None
