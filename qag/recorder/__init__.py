@@ -349,6 +349,7 @@ def run_recorder(source, store, stop_event: threading.Event, batch_max: int = 50
                     state.journal_full = True
                     log.error("run journal cannot take more runs (%s); the rings fill now, and runs are lost "
                               "(qag_runs_lost_total) once they are full", e)
+                    do_publish()  # before the rings fill: a worker's loss log names this reason
                 return False
             held.pop(0)
             if state.journal_full:
