@@ -259,7 +259,7 @@ def test_recorder_sigkilled_during_the_outage_and_during_the_drain_loses_and_dup
 
     per = 12_000
     name = f"/qag-jkill-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    seg = Segment.create(name, slots=3)
+    seg = Segment.create(name, 1 << 20, slots=3)  # rings of ~1,300 runs: a restarted recorder spills soon
     url = str(tmp_path / "runs.db")
     jdir = str(tmp_path / "journal")
     store = FlakyStore(url)
@@ -280,10 +280,11 @@ def test_recorder_sigkilled_during_the_outage_and_during_the_drain_loses_and_dup
     lock = sqlite3.connect(url, isolation_level=None, timeout=30)
     producers = []
     try:
+        wait(lambda: seg.stat()["process_slots"][2]["role"] == "recorder", timeout=30)
+        time.sleep(1.0)  # its store open
+        lock.execute("BEGIN EXCLUSIVE")  # from now on every commit of the recorder waits
         producers = [subprocess.Popen([sys.executable, "-c", PRODUCER, name, str(s), str(per)], cwd=ROOT, env=e,
                                       stdout=subprocess.PIPE) for s in (0, 1)]
-        time.sleep(0.5)
-        lock.execute("BEGIN EXCLUSIVE")
         for _ in range(3):
             time.sleep(rnd.uniform(0.3, 1.0))
             rec.send_signal(signal.SIGKILL)
