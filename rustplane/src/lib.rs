@@ -18,11 +18,12 @@
 //! and `/metrics` see it like any worker's.
 //!
 //! Modules: [`sys`] (every `unsafe`), [`segment`] (the layout), [`msgpack`], [`entries`] (published
-//! entries), [`params`] (options, binding, error bodies), [`render`], [`mask`], [`pyfmt`] (Python's text
+//! entries), [`limits`] (statement limits, client-side deadlines, keepalives), [`params`] (options, binding, error bodies), [`render`], [`mask`], [`pyfmt`] (Python's text
 //! forms), [`pg`] (PostgreSQL sessions and value decoding), [`mysql`] (MySQL/MariaDB sessions and value decoding), [`pool`]
 //! (per-thread session pools, first come first served), [`server`] (HTTP, forwarding, the request path).
 
 pub mod entries;
+pub mod limits;
 pub mod mask;
 pub mod msgpack;
 pub mod mysql;

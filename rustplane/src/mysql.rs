@@ -5,6 +5,7 @@
 //! text-protocol conversions would return.
 
 use crate::entries::ConnEntry;
+use crate::limits;
 use crate::params::PVal;
 use crate::pg::{decimal_texts, ExecError};
 use crate::pool::{self, Acquired, Grant, HasSlots, Slots};
@@ -36,6 +37,20 @@ pub struct SessionSpec {
 pub struct Session {
     conn: Conn,
     healthy: bool,
+    /// A command is under way: a lease dropped meanwhile (the call's deadline fired) closes the session.
+    busy: bool,
+}
+
+impl Session {
+    /// Close without waiting on the server: COM_QUIT is written (or not, within 100 ms) and the socket
+    /// closed. (Dropping a `Conn` would spawn a clean-up that first reads what the server still owes,
+    /// forever when it is frozen.)
+    fn close(self) {
+        let conn = self.conn;
+        tokio::task::spawn_local(async move {
+            let _ = tokio::time::timeout(Duration::from_millis(100), conn.disconnect()).await;
+        });
+    }
 }
 
 pub struct Pool {
@@ -46,6 +61,16 @@ pub struct Pool {
 impl HasSlots<Session> for Pool {
     fn slots(&mut self) -> &mut Slots<Session> {
         &mut self.slots
+    }
+}
+
+impl Pool {
+    /// A pooled session turned out stale: the idle ones are closed too (a restart ended them all).
+    pub fn purge_idle(&mut self) {
+        for s in self.slots.take_idle() {
+            s.close();
+            self.slots.closed();
+        }
     }
 }
 
@@ -67,19 +92,28 @@ pub fn pool_for(spec: &SessionSpec) -> Rc<RefCell<Pool>> {
     })
 }
 
-/// The SET that MySQLConnector._open runs first: MariaDB's limit in seconds ("%.3f"), MySQL's in ms.
+/// The SET that MySQLConnector._open runs first: MariaDB's limit in seconds (6 decimals), MySQL's in ms,
+/// each rounded up and at least 10 ms (`limits`: never 0, which is "no limit").
 pub fn time_limit_sql(mariadb: bool, timeout: f64) -> String {
     if mariadb {
-        format!("SET SESSION max_statement_time = {timeout:.3}")
+        format!("SET SESSION max_statement_time = {}", limits::mariadb_seconds(timeout))
     } else {
-        format!("SET SESSION max_execution_time = {}", (timeout * 1000.0) as i64)
+        format!("SET SESSION max_execution_time = {}", limits::millis(timeout))
     }
 }
 
 async fn connect(spec: &SessionSpec) -> Result<Session, ExecError> {
+    // mysql-connector's connection_timeout=max(1, int(round(connect_timeout))), here for the whole set-up
+    // (handshake and SETs: a frozen server accepts from its backlog and then never answers)
+    let limit = Duration::from_secs_f64(spec.conn.connect_timeout.round().max(1.0));
+    match tokio::time::timeout(limit, open(spec)).await {
+        Ok(r) => r,
+        Err(_) => Err(ExecError::Forward("cannot connect")),
+    }
+}
+
+async fn open(spec: &SessionSpec) -> Result<Session, ExecError> {
     let c = &spec.conn;
-    // mysql-connector's connection_timeout=max(1, int(round(connect_timeout)))
-    let connect_timeout = c.connect_timeout.round().max(1.0);
     let opts = OptsBuilder::default()
         .ip_or_hostname(c.host.clone())
         .tcp_port(c.port)
@@ -89,31 +123,34 @@ async fn connect(spec: &SessionSpec) -> Result<Session, ExecError> {
         // TCP like mysql-connector (a unix socket would be another account: root@localhost)
         .prefer_socket(false)
         .tcp_nodelay(true)
+        .tcp_keepalive(Some(limits::KEEPALIVE_IDLE))
         .stmt_cache_size(256);
-    let fut = Conn::new(opts);
-    let mut conn = match tokio::time::timeout(Duration::from_secs_f64(connect_timeout), fut).await {
-        Ok(Ok(c)) => c,
-        _ => return Err(ExecError::Forward("cannot connect")),
-    };
+    let Ok(mut conn) = Conn::new(opts).await else { return Err(ExecError::Forward("cannot connect")) };
     let version: Option<String> = conn.query_first("SELECT VERSION()").await.map_err(|_| ExecError::Forward("cannot connect"))?;
     let mariadb = version.unwrap_or_default().to_ascii_lowercase().contains("mariadb");
     conn.query_drop(time_limit_sql(mariadb, spec.timeout)).await.map_err(|_| ExecError::Forward("session setup"))?;
     conn.query_drop("SET SESSION TRANSACTION READ ONLY").await.map_err(|_| ExecError::Forward("session setup"))?;
-    Ok(Session { conn, healthy: true })
+    Ok(Session { conn, healthy: true, busy: false })
 }
 
-/// A checked-out session; goes back to its pool when dropped unless it broke.
+/// A checked-out session; goes back to its pool when dropped unless it broke or was dropped mid-command.
 pub struct Lease {
     pool: Rc<RefCell<Pool>>,
     session: Option<Session>,
+    /// The session came from the pool (it may be stale) rather than being opened for this call.
+    pub reused: bool,
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
         let mut p = self.pool.borrow_mut();
         match self.session.take() {
-            Some(s) if s.healthy => p.slots.release(s),
-            _ => p.slots.closed(),
+            Some(s) if s.healthy && !s.busy => p.slots.release(s),
+            Some(s) => {
+                s.close();
+                p.slots.closed();
+            }
+            None => p.slots.closed(),
         }
     }
 }
@@ -131,11 +168,11 @@ impl Lease {
                 },
             };
             match grant {
-                Grant::Session(s) => return Ok(Lease { pool, session: Some(s) }),
+                Grant::Session(s) => return Ok(Lease { pool, session: Some(s), reused: true }),
                 Grant::Open => {
                     let spec = pool.borrow().spec.clone();
                     return match connect(&spec).await {
-                        Ok(session) => Ok(Lease { pool, session: Some(session) }),
+                        Ok(session) => Ok(Lease { pool, session: Some(session), reused: false }),
                         Err(e) => {
                             pool.borrow_mut().slots.closed();
                             Err(e)
@@ -150,6 +187,10 @@ impl Lease {
         &mut self.session.as_mut().expect("a lease holds its session until dropped").conn
     }
 
+    fn session(&mut self) -> &mut Session {
+        self.session.as_mut().expect("a lease holds its session until dropped")
+    }
+
     /// Mark the session broken: it is closed instead of going back to the pool.
     pub fn discard(mut self) {
         if let Some(s) = self.session.as_mut() {
@@ -159,32 +200,41 @@ impl Lease {
 
     /// Prepare (or find in the session's statement cache).
     pub async fn prepare(&mut self, sql: &str) -> Result<Statement, ExecError> {
-        match self.conn().prep(sql).await {
+        self.session().busy = true;
+        let res = self.conn().prep(sql).await;
+        self.session().busy = false;
+        match res {
             Ok(st) => Ok(st),
-            Err(mysql_async::Error::Server(_)) => Err(ExecError::Forward("prepare failed")),
-            Err(_) => {
-                self.session.as_mut().expect("session").healthy = false;
-                Err(ExecError::Forward("connection lost"))
+            Err(e) if is_stale(&e) => {
+                self.session().healthy = false;
+                Err(ExecError::Stale)
             }
+            Err(_) => Err(ExecError::Forward("prepare failed")),
         }
     }
 
     /// Close a statement and drop it from the session's cache (a one-off statement holding literals). A
     /// failure marks the session broken: it is closed rather than reused.
     pub async fn close(&mut self, st: Statement) {
-        if self.conn().close(st).await.is_err() {
-            self.session.as_mut().expect("session").healthy = false;
+        self.session().busy = true;
+        let res = self.conn().close(st).await;
+        self.session().busy = false;
+        if res.is_err() {
+            self.session().healthy = false;
         }
     }
 
     /// Execute; (column names, rows of cells). Errors as MySQLConnector._run maps them.
     pub async fn query(&mut self, st: &Statement, args: Vec<Value>) -> Result<(Vec<String>, Vec<Vec<Cell>>), ExecError> {
-        let (columns, rows) = match fetch(self.conn(), st, args).await {
+        self.session().busy = true;
+        let fetched = fetch(self.conn(), st, args).await;
+        self.session().busy = false;
+        let (columns, rows) = match fetched {
             Ok(x) => x,
             Err(e) => {
                 let (err, broken) = classify(e);
                 if broken {
-                    self.session.as_mut().expect("session").healthy = false;
+                    self.session().healthy = false;
                 }
                 return Err(err);
             }
@@ -216,13 +266,26 @@ async fn fetch(conn: &mut Conn, st: &Statement, args: Vec<Value>) -> mysql_async
     Ok((columns, rows))
 }
 
+/// Server errors that mean the session is gone: shutdown in progress (1053), connection killed (1927,
+/// MariaDB), disconnected by the server (4031), aborted or broken network exchanges (1152, 1158-1161).
+const STALE_CODES: [u16; 8] = [1053, 1927, 4031, 1152, 1158, 1159, 1160, 1161];
+
+/// Whether the session is unusable: one of the errors above, or not a server error at all (the socket
+/// failed, the connection closed, the driver lost the protocol).
+fn is_stale(e: &mysql_async::Error) -> bool {
+    match e {
+        mysql_async::Error::Server(s) => STALE_CODES.contains(&s.code) || s.code >= 2000,
+        _ => true,
+    }
+}
+
 /// (how the call is answered, whether the session is broken).
 fn classify(e: mysql_async::Error) -> (ExecError, bool) {
     match e {
         // MariaDB max_statement_time, MySQL max_execution_time, interrupted (MySQLConnector._run)
         mysql_async::Error::Server(s) if matches!(s.code, 1969 | 3024 | 1317) => (ExecError::Timeout, false),
-        mysql_async::Error::Server(s) if s.code < 2000 => (ExecError::Rejected, false),
-        _ => (ExecError::Forward("connection lost"), true),
+        ref e if is_stale(e) => (ExecError::Stale, true),
+        _ => (ExecError::Rejected, false),
     }
 }
 

@@ -4,6 +4,7 @@
 //! quoted literals), and result values decoded from the binary format into what psycopg2 would return.
 
 use crate::entries::ConnEntry;
+use crate::limits;
 use crate::pool::{self, Acquired, Grant, HasSlots, Slots};
 use crate::params::PVal;
 use crate::pyfmt::{decimal_str, float_repr, hex};
@@ -282,15 +283,49 @@ pub enum ExecError {
     Rejected,
     /// statement_timeout (504 query_timeout).
     Timeout,
+    /// The session is gone (the server restarted, the connection was terminated or closed): a read on a
+    /// pooled session is retried once on a fresh one, else forwarded.
+    Stale,
     /// Connection trouble, an unexpected value, anything Python should answer: forward.
     Forward(&'static str),
 }
 
+/// Whether a PostgreSQL error means the session is unusable: SQLSTATE classes 08 (connection exception)
+/// and 57P (admin or crash shutdown, cannot connect now), or no server error at all (the socket failed or
+/// the connection closed).
+fn is_stale(e: &tokio_postgres::Error) -> bool {
+    match e.as_db_error() {
+        Some(db) => {
+            let c = db.code().code();
+            c.starts_with("08") || c.starts_with("57P")
+        }
+        None => true,
+    }
+}
+
 pub struct Session {
     client: Client,
+    /// The task driving the connection's socket: aborted when the session is discarded, so a session
+    /// given up on (a frozen server) closes its socket at once instead of waiting for an answer forever.
+    task: tokio::task::JoinHandle<()>,
     stmts: HashMap<String, Statement>,
     pub tz_utc: bool,
     healthy: bool,
+    /// An exchange with the server is under way. A lease dropped meanwhile (the call's deadline fired) must
+    /// not give the session back: its connection still owes answers to a request nobody waits for.
+    busy: bool,
+}
+
+impl Session {
+    fn reusable(&self) -> bool {
+        self.healthy && !self.busy && !self.client.is_closed()
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
 }
 
 /// Pool key: everything that defines a session; a changed connection entry makes a new pool.
@@ -310,6 +345,17 @@ pub struct Pool {
 impl HasSlots<Session> for Pool {
     fn slots(&mut self) -> &mut Slots<Session> {
         &mut self.slots
+    }
+}
+
+impl Pool {
+    /// A pooled session turned out stale: the idle ones were opened before the same event (a restart
+    /// ends them all), so they are closed now rather than each costing a caller a failed try.
+    pub fn purge_idle(&mut self) {
+        for s in self.slots.take_idle() {
+            drop(s);
+            self.slots.closed();
+        }
     }
 }
 
@@ -337,9 +383,22 @@ pub fn pool_for(spec: &SessionSpec) -> Rc<RefCell<Pool>> {
 }
 
 async fn connect(spec: &SessionSpec) -> Result<Session, ExecError> {
+    // psycopg2's connect_timeout=max(1, int(round(connect_timeout))), for the whole start-up (a frozen
+    // server completes the TCP handshake from its backlog and then never answers the startup message)
+    let limit = Duration::from_secs_f64(spec.conn.connect_timeout.round().max(1.0));
+    tokio::time::timeout(limit, open(spec)).await.map_err(|_| ExecError::Forward("cannot connect"))?
+}
+
+async fn open(spec: &SessionSpec) -> Result<Session, ExecError> {
     let c = &spec.conn;
     let mut cfg = tokio_postgres::Config::new();
-    cfg.host(&c.host).port(c.port).application_name("qag").connect_timeout(Duration::from_secs(3));
+    cfg.host(&c.host).port(c.port).application_name("qag")
+        .connect_timeout(Duration::from_secs_f64(c.connect_timeout.round().max(1.0)))
+        .keepalives(true)
+        .keepalives_idle(limits::KEEPALIVE_IDLE)
+        .keepalives_interval(limits::KEEPALIVE_INTERVAL)
+        .keepalives_retries(limits::KEEPALIVE_RETRIES)
+        .tcp_user_timeout(limits::TCP_USER_TIMEOUT);
     if let Some(u) = &c.user {
         cfg.user(u);
     } else {
@@ -359,24 +418,29 @@ async fn connect(spec: &SessionSpec) -> Result<Session, ExecError> {
     let (client, conn) = cfg.connect(NoTls).await.map_err(|_| ExecError::Forward("cannot connect"))?;
     let tz = conn.parameter("TimeZone").unwrap_or("").to_ascii_lowercase();
     let tz_utc = matches!(tz.as_str(), "utc" | "etc/utc" | "gmt" | "etc/gmt" | "universal" | "zulu" | "etc/universal" | "etc/zulu" | "uct" | "etc/uct" | "gmt0" | "etc/gmt0" | "greenwich");
-    tokio::task::spawn_local(async move {
+    let task = tokio::task::spawn_local(async move {
         let _ = conn.await;
     });
-    Ok(Session { client, stmts: HashMap::new(), tz_utc, healthy: true })
+    Ok(Session { client, task, stmts: HashMap::new(), tz_utc, healthy: true, busy: false })
 }
 
-/// A checked-out session; goes back to its pool on `release`, closed when dropped without it.
+/// A checked-out session; goes back to its pool when dropped, unless it broke or was dropped mid-exchange.
 pub struct Lease {
     pool: Rc<RefCell<Pool>>,
     session: Option<Session>,
+    /// The session came from the pool (it may be stale) rather than being opened for this call.
+    pub reused: bool,
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
         let mut p = self.pool.borrow_mut();
         match self.session.take() {
-            Some(s) if !s.client.is_closed() && s.healthy => p.slots.release(s),
-            _ => p.slots.closed(), // closed (or broken): its place in the pool is free again
+            Some(s) if s.reusable() => p.slots.release(s),
+            other => {
+                drop(other); // its connection task is aborted: the socket closes now
+                p.slots.closed(); // closed, broken or abandoned mid-exchange: its place is free again
+            }
         }
     }
 }
@@ -394,12 +458,15 @@ impl Lease {
                 },
             };
             match grant {
-                Grant::Session(s) if !s.client.is_closed() => return Ok(Lease { pool, session: Some(s) }),
-                Grant::Session(_) => pool.borrow_mut().slots.closed(),
+                Grant::Session(s) if s.reusable() => return Ok(Lease { pool, session: Some(s), reused: true }),
+                Grant::Session(s) => {
+                    drop(s);
+                    pool.borrow_mut().slots.closed();
+                }
                 Grant::Open => {
                     let spec = pool.borrow().spec.clone();
                     return match connect(&spec).await {
-                        Ok(session) => Ok(Lease { pool, session: Some(session) }),
+                        Ok(session) => Ok(Lease { pool, session: Some(session), reused: false }),
                         Err(e) => {
                             pool.borrow_mut().slots.closed();
                             Err(e)
@@ -435,10 +502,17 @@ impl Lease {
         if let Some(s) = session.stmts.get(sql) {
             return Ok(s.clone());
         }
-        let st = match session.client.prepare(sql).await {
+        session.busy = true;
+        let mut res = session.client.prepare(sql).await;
+        if matches!(&res, Err(e) if e.code() == Some(&SqlState::INDETERMINATE_DATATYPE)) {
+            res = session.client.prepare_typed(sql, typed).await;
+        }
+        session.busy = false;
+        let st = match res {
             Ok(st) => st,
-            Err(e) if e.code() == Some(&SqlState::INDETERMINATE_DATATYPE) => {
-                session.client.prepare_typed(sql, typed).await.map_err(|_| ExecError::Forward("prepare failed"))?
+            Err(e) if is_stale(&e) => {
+                session.healthy = false;
+                return Err(ExecError::Stale);
             }
             Err(_) => return Err(ExecError::Forward("prepare failed")),
         };
@@ -450,18 +524,23 @@ impl Lease {
     }
 
     /// Execute; rows of cells in select-list order.
-    pub async fn query(&self, st: &Statement, args: &[Arg]) -> Result<Vec<Vec<Cell>>, ExecError> {
+    pub async fn query(&mut self, st: &Statement, args: &[Arg]) -> Result<Vec<Vec<Cell>>, ExecError> {
         let params: Vec<&(dyn ToSql + Sync)> = args.iter().map(|a| a as &(dyn ToSql + Sync)).collect();
-        let rows = match self.s().client.query(st, &params).await {
+        let session = self.session.as_mut().expect("a lease holds its session");
+        session.busy = true;
+        let result = session.client.query(st, &params).await;
+        session.busy = false;
+        let rows = match result {
             Ok(r) => r,
             Err(e) => {
                 return Err(match e.as_db_error() {
                     Some(db) if *db.code() == SqlState::QUERY_CANCELED => ExecError::Timeout,
-                    Some(db) if db.code().code().starts_with("08") || db.code().code().starts_with("57P") => {
-                        ExecError::Forward("connection lost")
+                    _ if is_stale(&e) => {
+                        session.healthy = false;
+                        ExecError::Stale
                     }
                     Some(_) => ExecError::Rejected,
-                    None => ExecError::Forward("connection lost"),
+                    None => ExecError::Stale,
                 })
             }
         };

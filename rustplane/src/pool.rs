@@ -65,6 +65,11 @@ impl<S> Slots<S> {
         self.idle.push(s);
     }
 
+    /// Every idle session, taken out (the caller closes each and calls `closed()` for it).
+    pub fn take_idle(&mut self) -> Vec<S> {
+        std::mem::take(&mut self.idle)
+    }
+
     /// A session closed (or could not be opened): its place goes to the longest waiter, else is free.
     pub fn closed(&mut self) {
         while let Some(w) = self.waiters.pop_front() {

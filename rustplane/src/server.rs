@@ -492,53 +492,76 @@ fn exec_error(e: ExecError, plan: &PlanEntry) -> Exec {
     match e {
         ExecError::Timeout => Exec::Fail(params::timeout_error(plan.query_timeout)),
         ExecError::Rejected => Exec::Fail(ApiError::new(500, "query_failed", QUERY_FAILED)),
-        ExecError::Forward(_) => Exec::Forward("execution: connection or value"),
+        ExecError::Stale => Exec::Forward("connection lost"),
+        ExecError::Forward(why) => Exec::Forward(why),
+    }
+}
+
+/// Run one execution under the call's client-side deadline (the statement limit plus a margin,
+/// `limits::deadline`): when the database stops answering (frozen, a dead host), the call is answered
+/// 504 `query_timeout` as Python answers a statement over its limit, and the session it held is
+/// discarded (a lease dropped mid-exchange never goes back to its pool).
+async fn with_deadline(plan: &PlanEntry, fut: impl std::future::Future<Output = Result<Rows, Exec>>) -> Result<Rows, Exec> {
+    match tokio::time::timeout(crate::limits::deadline(plan.query_timeout), fut).await {
+        Ok(r) => r,
+        Err(_) => Err(Exec::Fail(params::timeout_error(plan.query_timeout))),
     }
 }
 
 /// PostgreSQL: everything that could make the answer differ from Python's is decided from the prepared
-/// statement before executing.
+/// statement before executing. A pooled session found stale (the server restarted, the session was
+/// terminated) is dropped with every idle one, and the read is tried once more on a fresh session.
 async fn execute_pg(plan: &PlanEntry, conn: Rc<ConnEntry>, password: Option<String>, sql: &str, bound: &[params::PVal],
                     format: Format) -> Result<Rows, Exec> {
-    let spec = SessionSpec { conn, password, timeout_ms: (plan.query_timeout * 1000.0) as u64 };
+    let spec = SessionSpec { conn, password, timeout_ms: crate::limits::millis(plan.query_timeout) };
     let pool = pg::pool_for(&spec);
-    let Ok(mut lease) = Lease::get(pool).await else { return Err(Exec::Forward("cannot connect")) };
+    with_deadline(plan, async {
+        for attempt in 0..2 {
+            let Ok(mut lease) = Lease::get(pool.clone()).await else { return Err(Exec::Forward("cannot connect")) };
+            match execute_pg_once(plan, &mut lease, sql, bound, format).await {
+                Err(ExecError::Stale) if attempt == 0 && lease.reused => {
+                    drop(lease);
+                    pool.borrow_mut().purge_idle();
+                }
+                Ok(x) => return Ok(x),
+                Err(e) => return Err(exec_error(e, plan)),
+            }
+        }
+        Err(Exec::Forward("connection lost twice"))
+    })
+    .await
+}
+
+async fn execute_pg_once(plan: &PlanEntry, lease: &mut Lease, sql: &str, bound: &[params::PVal], format: Format)
+                         -> Result<Rows, ExecError> {
     let typed: Vec<tokio_postgres::types::Type> = plan.arg_names.iter()
         .map(|n| plan.specs.iter().find(|s| s.name == *n).map_or(tokio_postgres::types::Type::TEXT, |s| pg::literal_type(s.ty)))
         .collect();
-    let Ok(st) = lease.prepare(sql, &typed).await else { return Err(Exec::Forward("prepare failed")) };
+    let st = lease.prepare(sql, &typed).await?;
     let tz_utc = lease.tz_utc();
     if st.columns().iter().any(|c| !pg::column_supported(c.type_(), tz_utc))
         || (format == Format::Csv && st.columns().iter().any(|c| pg::is_json(c.type_())))
         || plan.transforms.as_ref().is_some_and(|t| t.len() != st.columns().len())
         || st.params().len() != bound.len()
     {
-        return Err(Exec::Forward("result shape or types"));
+        return Err(ExecError::Forward("result shape or types"));
     }
     let mut args = Vec::with_capacity(bound.len());
     for (ty, v) in st.params().iter().zip(bound) {
-        args.push(pg::arg_for(ty, v).ok_or(Exec::Forward("parameter type"))?);
+        args.push(pg::arg_for(ty, v).ok_or(ExecError::Forward("parameter type"))?);
     }
     let columns: Vec<String> = st.columns().iter().map(|c| c.name().to_string()).collect();
     if !plan.names_match(&columns) {
-        return Err(Exec::Forward("masked names differ"));
+        return Err(ExecError::Forward("masked names differ"));
     }
-    match lease.query(&st, &args).await {
-        Ok(rows) => Ok((columns, rows)),
-        Err(ExecError::Forward(why)) => {
-            if why == "connection lost" {
-                lease.discard();
-            }
-            Err(Exec::Forward("execution: connection or value"))
-        }
-        Err(e) => Err(exec_error(e, plan)),
-    }
+    let rows = lease.query(&st, &args).await?;
+    Ok((columns, rows))
 }
 
 /// MySQL/MariaDB: the prepared statement's metadata rules out what the plane cannot render before
 /// executing; the result's own columns decide again (a read executed twice costs time, never a wrong answer).
 /// `one_off`: the statement holds literals (a float): closed after use, so that it never crowds the
-/// session's cache of the saved queries' statements.
+/// session's cache of the saved queries' statements. A stale pooled session: as for PostgreSQL.
 async fn execute_mysql(plan: &PlanEntry, conn: Rc<ConnEntry>, password: Option<String>, sql: &str,
                        bound: &[params::PVal], one_off: bool) -> Result<Rows, Exec> {
     let mut args = Vec::with_capacity(bound.len());
@@ -547,23 +570,37 @@ async fn execute_mysql(plan: &PlanEntry, conn: Rc<ConnEntry>, password: Option<S
     }
     let spec = mysql::SessionSpec { conn, password, timeout: plan.query_timeout };
     let pool = mysql::pool_for(&spec);
-    let Ok(mut lease) = mysql::Lease::get(pool).await else { return Err(Exec::Forward("cannot connect")) };
-    let st = lease.prepare(sql).await.map_err(|_| Exec::Forward("prepare failed"))?;
+    with_deadline(plan, async {
+        for attempt in 0..2 {
+            let Ok(mut lease) = mysql::Lease::get(pool.clone()).await else { return Err(Exec::Forward("cannot connect")) };
+            match execute_mysql_once(plan, &mut lease, sql, args.clone(), one_off).await {
+                Err(ExecError::Stale) if attempt == 0 && lease.reused => {
+                    drop(lease);
+                    pool.borrow_mut().purge_idle();
+                }
+                Ok(x) => return Ok(x),
+                Err(e) => return Err(exec_error(e, plan)),
+            }
+        }
+        Err(Exec::Forward("connection lost twice"))
+    })
+    .await
+}
+
+async fn execute_mysql_once(plan: &PlanEntry, lease: &mut mysql::Lease, sql: &str, args: Vec<mysql_async::Value>,
+                            one_off: bool) -> Result<Rows, ExecError> {
+    let st = lease.prepare(sql).await?;
     if st.num_params() as usize != args.len()
         || !st.columns().iter().all(mysql::column_supported)
         || plan.transforms.as_ref().is_some_and(|t| t.len() != st.columns().len())
     {
-        return Err(Exec::Forward("result shape or types"));
+        return Err(ExecError::Forward("result shape or types"));
     }
     let result = lease.query(&st, args).await;
     if one_off {
         lease.close(st).await;
     }
-    match result {
-        Ok(x) => Ok(x),
-        Err(ExecError::Forward(_)) => Err(Exec::Forward("execution: connection or value")),
-        Err(e) => Err(exec_error(e, plan)),
-    }
+    result
 }
 
 async fn upstream_sender(up: &Upstream, fresh: bool) -> std::io::Result<hyper::client::conn::http1::SendRequest<Incoming>> {
