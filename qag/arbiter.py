@@ -21,6 +21,7 @@ log = logging.getLogger("qag.arbiter")
 RECORDER_SLOT_FROM_TOP = 1
 PLANE_SLOT_FROM_TOP = 2
 WATCHER_SLOT_FROM_TOP = 3
+PLANE_CHILD = "the data plane"
 
 
 def watcher_slot(slots: int) -> int:
@@ -292,7 +293,7 @@ class ArbiterHooks:
             cmd += ["--pin-cpus", ",".join(str(c) for c in p["cpus"])]
         env = dict(os.environ, QAG_MASK_KEY_FILE=key_file)
         env.pop("QAG_MASK_KEY", None)
-        return Child("the data plane", cmd, env)
+        return Child(PLANE_CHILD, cmd, env)
 
     def _supervise(self) -> None:
         from qag.changes import watcher_current
@@ -322,6 +323,21 @@ class ArbiterHooks:
                 c.reap()
             reap_workers()
         server.reap_workers = reap_children_then_workers
+        if self.plane is not None:
+            # SIGTERM: the plane stops first (it refuses new connections and drains its calls, the ones it
+            # forwards included, while the workers still serve them); then gunicorn stops the workers.
+            # gunicorn looks its signal handlers up on the arbiter object when the signal is handled.
+            term = server.handle_term
+
+            def handle_term():
+                self.stop_plane()
+                term()
+            server.handle_term = handle_term
+
+    def stop_plane(self) -> None:
+        for c in getattr(self, "children", []):
+            if c.name == PLANE_CHILD:
+                c.stop()
 
     def worker_exited(self, slot, pid) -> None:
         pass

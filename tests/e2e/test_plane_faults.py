@@ -1,4 +1,4 @@
-"""The plane under database faults (issue 13 items 7 and 8), through `qag serve --plane`.
+"""The plane under database faults and a graceful stop (issue 13 items 5, 7 and 8), through `qag serve --plane`.
 
 Each database test starts a PRIVATE instance (its own directory and port, tests/e2e/plane_privdb.py), freezes it
 with SIGSTOP or restarts it, and checks what callers of the plane see:
@@ -7,11 +7,17 @@ with SIGSTOP or restarts it, and checks what callers of the plane see:
   plane's margin, and once the database answers again the plane serves on fresh sessions;
 - restarted: no caller sees an error, and the plane serves every call itself (stale pooled sessions are
   dropped and the read retried on a fresh session, never forwarded to Python for it);
+- SIGTERM to the arbiter: the plane refuses new connections (never accepts and resets one), finishes the
+  calls in flight (those it forwards included: the workers stop after it), and every answered call's run is
+  in the run store afterwards.
 """
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import signal
+import sqlite3
 import threading
 import time
 
@@ -221,3 +227,63 @@ def test_frozen_mariadb_calls_end_at_their_limit(private_mariadb):
         assert all(s == 200 for s, _, _ in after), after
     finally:
         srv.stop()
+
+
+# ------------------------------------------------------------------------------------------------ SIGTERM
+def test_sigterm_refuses_new_connections_drains_and_records_every_answer(private_pg):
+    """Callers open a new connection per call (so each call tests the listener) while the arbiter gets
+    SIGTERM: each call is answered 200 (and recorded) or its connection is refused; none is accepted and
+    then reset, none is a 502 from a plane whose workers are gone."""
+    srv, key = _serve(_pg_conn(private_pg), PG_QUERIES)
+    port = int(srv.base.rsplit(":", 1)[1])
+    _warm(srv, key, "/q/nap?s=0.2", "warm")
+    _warm(srv, key, "/q/fast?id=1", "warmf")
+    outcomes: list[tuple[str, str, str]] = []  # (rid, path, outcome)
+    lock = threading.Lock()
+
+    def caller(n: int):
+        i = 0
+        refused = 0
+        while refused < 3 and i < 5000:
+            i += 1
+            rid = f"t{n}-{i}"
+            path = [f"/q/fast?id={i % 100 + 1}", "/health", "/q/nap?s=0.4"][(n + i) % 3]
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            try:
+                c.request("GET", path, headers={"X-API-Key": key, "X-Request-Id": rid, "Connection": "close"})
+                r = c.getresponse()
+                r.read()
+                out = str(r.status)
+            except ConnectionRefusedError:
+                out = "refused"
+                refused += 1
+                time.sleep(0.05)
+            except (OSError, http.client.HTTPException) as exc:  # reset, EOF before a response...
+                out = type(exc).__name__
+            finally:
+                c.close()
+            with lock:
+                outcomes.append((rid, path, out))
+
+    threads = [threading.Thread(target=caller, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(2.5)
+    srv.proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(60)
+    assert srv.proc.wait(30) == 0
+    kinds: dict[str, int] = {}
+    for _, _, out in outcomes:
+        kinds[out] = kinds.get(out, 0) + 1
+    assert set(kinds) <= {"200", "refused"}, kinds
+    assert kinds.get("refused", 0) >= 4 and kinds.get("200", 0) > 20, kinds
+    # every answered data call was recorded (the plane's runs and the forwarded ones alike)
+    answered = {rid for rid, path, out in outcomes if out == "200" and path.startswith("/q/")}
+    db = sqlite3.connect(os.path.join(srv.env["QAG_HOME"], "runs.db"))
+    try:
+        have = {r for (r,) in db.execute("SELECT request_id FROM qag_history")}
+    finally:
+        db.close()
+    missing = answered - have
+    assert not missing, f"{len(missing)} of {len(answered)} answered calls have no run: {sorted(missing)[:5]}"
