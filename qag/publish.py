@@ -7,7 +7,13 @@ Rust data plane. The entry formats are normative for both readers (see shm/LAYOU
   the password never enters the segment: it is in `<QAG_HOME>/plane/conn-<name>.secret` (mode 0600).
 
 Every entry carries the generations it was built from; a reader ignores an entry whose generations
-differ from the current ones, so a stale entry can cost a rebuild, never a wrong answer.
+differ from the current ones, so a stale entry can cost a rebuild, never a wrong answer. The fields of
+each entry, the version that introduced each one and what a reader does without it:
+rustplane/ENTRIES.md (the contract between this module and the plane).
+
+Only the published version of a query is ever published as a plan entry (`published_version` says which
+it is): a plan built for `?version=N` stays in its worker, so the plane, which serves calls without
+`version`, can never serve another version from the key's entry.
 """
 from __future__ import annotations
 
@@ -36,8 +42,9 @@ def key_entry(row: dict, via_prev: bool, gen: int) -> dict:
             "row": {k: row[k] for k in ("name", "active", "expires_at", "prev_valid_until", "grants")}}
 
 
-def plan_entry(plan, cfg, sql_text: str) -> dict:
-    return {"query": plan.query, "version": plan.version, "connection": plan.connection, "dialect": plan.dialect,
+def plan_entry(plan, cfg, sql_text: str, published_version: int | None = None) -> dict:
+    return {"query": plan.query, "version": plan.version, "published_version": published_version,
+            "connection": plan.connection, "dialect": plan.dialect,
             "sql_native": P.compile_native(sql_text, plan.dialect)[0], "sql_driver": plan.sql,
             "sql_pieces": P.split_at_markers(sql_text, plan.dialect) if plan.dialect == "mysql" else None,
             "arg_names": list(plan.arg_names),
@@ -86,10 +93,15 @@ class Publisher:
     def key(self, key_hash: str, row: dict, via_prev: bool, gen: int) -> None:
         self.seg.cache_put(b"k:" + key_hash.encode(), _pack(key_entry(row, via_prev, gen)))
 
-    def plan(self, plan, sql_text: str) -> None:
+    def plan(self, plan, sql_text: str, published_version: int | None) -> None:
+        """Publish the plan of a key's call. `published_version`: the query's published version when the plan
+        was built; a plan of any other version (a draft, an older one: `?version=N`) is not published."""
         if plan.key_name is None:
             return  # administrators' calls are always served by Python
-        self.seg.cache_put(plan_cache_key(plan.key_name, plan.query), _pack(plan_entry(plan, self.cfg, sql_text)))
+        if published_version is None or plan.version != published_version:
+            return
+        self.seg.cache_put(plan_cache_key(plan.key_name, plan.query),
+                           _pack(plan_entry(plan, self.cfg, sql_text, published_version)))
 
     def connection(self, row: dict, password: str | None, gen: int) -> None:
         os.makedirs(self.secret_dir, mode=0o700, exist_ok=True)

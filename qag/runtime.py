@@ -408,7 +408,7 @@ class Runtime:
             # version's plan may go there, or a later call without `version` could run another one.
             # A plan binding a claim is never the plane's: it would take the value from the query string.
             if self.publisher is not None and version_no == published and not override and not p.claims:
-                self.publisher.plan(p, plan_mod.strip_sql(vrow["sql"]))
+                self.publisher.plan(p, plan_mod.strip_sql(vrow["sql"]), published)
         return p, crow, connector
 
     def _override_connection(self, principal: Principal, qrow: dict, name: str):

@@ -196,6 +196,10 @@ pub fn ip_in(ip: IpAddr, net: &str) -> bool {
 pub struct PlanEntry {
     pub query: String,
     pub version: i64,
+    /// The query's published version when the entry was written (ENTRIES.md, plan entry 1.1). The plane
+    /// serves an entry only when it equals `version`: it serves calls without `version`, which run the
+    /// published one; an entry without the field (an older publisher) is forwarded.
+    pub published_version: Option<i64>,
     pub connection: String,
     pub dialect: String,
     pub sql_native: String,
@@ -259,6 +263,7 @@ impl PlanEntry {
         Some(PlanEntry {
             query: v.get("query")?.as_str()?.to_string(),
             version: v.get("version")?.as_i64()?,
+            published_version: opt_i64(v, "published_version")?,
             connection: v.get("connection")?.as_str()?.to_string(),
             dialect: v.get("dialect")?.as_str()?.to_string(),
             sql_native: v.get("sql_native")?.as_str()?.to_string(),

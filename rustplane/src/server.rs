@@ -331,6 +331,9 @@ async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Option<IpAddr>)
         PlanLookup::Hit(p) => p,
         _ => return Decision::Forward("no current plan entry"),
     };
+    if plan.published_version != Some(plan.version) {
+        return Decision::Forward("plan entry not of the published version");
+    }
     let dialect = match plan.dialect.as_str() {
         "postgres" => Dialect::Postgres,
         "mysql" => Dialect::Mysql,
