@@ -55,7 +55,7 @@ def plan_entry(plan, cfg, sql_text: str, published_version: int | None = None) -
             "tables": sorted(plan.tables), "gens": list(plan.gens), "cache_ttl": plan.cache_ttl,
             "default_page_size": cfg.default_page_size, "max_page_size": cfg.max_page_size,
             "query_timeout": cfg.query_timeout,
-            # connectors S5: false means the plane resets the session after the call (PostgreSQL DISCARD ALL)
+            # connectors S5: false means the plane resets the session after the call (rustplane/ENTRIES.md)
             "state_free": bool(getattr(plan, "state_free", False))}
 
 

@@ -214,6 +214,9 @@ pub struct PlanEntry {
     /// The entry says whether names were traced ("names" present, even nil). A masking plan from a
     /// publisher that does not say is forwarded: Python checks the names at call time, the plane could not.
     pub names_published: bool,
+    /// connectors.py S5 (ENTRIES.md 1.1): the statement is proven to leave no session state behind. False
+    /// (or absent): the session is reset after the call (PostgreSQL) or closed (MySQL).
+    pub state_free: bool,
     /// A saved query with `cache_ttl` answers repeat calls from Python's result cache: forwarded.
     pub cache_ttl: bool,
     pub page_mode: String,
@@ -275,6 +278,7 @@ impl PlanEntry {
             specs: v.get("specs")?.as_array()?.iter().map(Spec::from_value).collect::<Option<_>>()?,
             transforms,
             names_published: v.get("names").or_else(|| v.get("output_names")).is_some(),
+            state_free: v.get("state_free").and_then(Value::as_bool).unwrap_or(false),
             cache_ttl: !matches!(v.get("cache_ttl"), None | Some(Value::Nil) | Some(Value::UInt(0)) | Some(Value::Int(0))),
             output_names: match v.get("names").or_else(|| v.get("output_names")) {
                 None | Some(Value::Nil) => None,

@@ -92,7 +92,7 @@ pub fn pool_for(spec: &SessionSpec) -> Rc<RefCell<Pool>> {
     })
 }
 
-/// The SET that MySQLConnector._open runs first: MariaDB's limit in seconds (6 decimals), MySQL's in ms,
+/// The SET that MySQLConnector._open runs first: MariaDB's limit in seconds (3 decimals), MySQL's in ms,
 /// each rounded up and at least 10 ms (`limits`: never 0, which is "no limit").
 pub fn time_limit_sql(mariadb: bool, timeout: f64) -> String {
     if mariadb {
@@ -196,6 +196,11 @@ impl Lease {
         if let Some(s) = self.session.as_mut() {
             s.healthy = false;
         }
+    }
+
+    /// The session is closed when the lease ends instead of going back to the pool.
+    pub fn retire(&mut self) {
+        self.session().healthy = false;
     }
 
     /// Prepare (or find in the session's statement cache).

@@ -424,6 +424,14 @@ async fn open(spec: &SessionSpec) -> Result<Session, ExecError> {
     Ok(Session { client, task, stmts: HashMap::new(), tz_utc, healthy: true, busy: false })
 }
 
+/// What follows a statement not proven state-free (connectors.py S5): what `DISCARD ALL` does except
+/// `DEALLOCATE ALL` (the plane's own prepared statements, and tokio-postgres's type-lookup ones, stay):
+/// every setting back to the startup packet's (`default_transaction_read_only=on`, `statement_timeout`,
+/// `search_path`), the session's role, advisory locks, cursors, LISTEN, cached plans, temporary tables,
+/// sequence state. One simple-query message, its own transaction.
+const RESET_SESSION: &str = "CLOSE ALL; SET SESSION AUTHORIZATION DEFAULT; RESET ALL; UNLISTEN *; \
+SELECT pg_advisory_unlock_all(); DISCARD PLANS; DISCARD TEMP; DISCARD SEQUENCES";
+
 /// A checked-out session; goes back to its pool when dropped, unless it broke or was dropped mid-exchange.
 pub struct Lease {
     pool: Rc<RefCell<Pool>>,
@@ -523,15 +531,35 @@ impl Lease {
         Ok(st)
     }
 
-    /// Execute; rows of cells in select-list order.
-    pub async fn query(&mut self, st: &Statement, args: &[Arg]) -> Result<Vec<Vec<Cell>>, ExecError> {
+    /// Execute (connectors.py S2, S5). The session's transactions are read-only from its start
+    /// (`default_transaction_read_only=on`), and a statement cannot make its own transaction read-write
+    /// (`set_config('transaction_read_only', 'off', true)` fails once it took its snapshot); what it could
+    /// change for *later* transactions and callers — that default, `search_path`, `statement_timeout`,
+    /// advisory locks — only a statement off the plan's state-free verdict can reach (`state_free`: one
+    /// SELECT of built-ins that read nothing but their arguments), and such a statement is followed by
+    /// `RESET_SESSION`, sent with it (tokio-postgres pipelines requests polled together: one write, one
+    /// round trip), before the session serves anyone else. A state-free read is the statement alone.
+    /// Rows of cells in select-list order.
+    pub async fn query(&mut self, st: &Statement, args: &[Arg], state_free: bool) -> Result<Vec<Vec<Cell>>, ExecError> {
         let params: Vec<&(dyn ToSql + Sync)> = args.iter().map(|a| a as &(dyn ToSql + Sync)).collect();
         let session = self.session.as_mut().expect("a lease holds its session");
         session.busy = true;
-        let result = session.client.query(st, &params).await;
+        let client = &session.client;
+        let (result, end) = if state_free {
+            (client.query(st, &params).await, Ok(()))
+        } else {
+            futures_util::future::join(client.query(st, &params), client.batch_execute(RESET_SESSION)).await
+        };
         session.busy = false;
+        if let Err(e) = &end {
+            session.healthy = false; // a session whose reset failed is not reused
+            if is_stale(e) {
+                return Err(ExecError::Stale);
+            }
+        }
         let rows = match result {
-            Ok(r) => r,
+            Ok(r) if session.healthy => r,
+            Ok(_) => return Err(ExecError::Forward("session reset failed")),
             Err(e) => {
                 return Err(match e.as_db_error() {
                     Some(db) if *db.code() == SqlState::QUERY_CANCELED => ExecError::Timeout,

@@ -557,7 +557,7 @@ async fn execute_pg_once(plan: &PlanEntry, lease: &mut Lease, sql: &str, bound: 
     if !plan.names_match(&columns) {
         return Err(ExecError::Forward("masked names differ"));
     }
-    let rows = lease.query(&st, &args).await?;
+    let rows = lease.query(&st, &args, plan.state_free).await?;
     Ok((columns, rows))
 }
 
@@ -602,6 +602,11 @@ async fn execute_mysql_once(plan: &PlanEntry, lease: &mut mysql::Lease, sql: &st
     let result = lease.query(&st, args).await;
     if one_off {
         lease.close(st).await;
+    }
+    if !plan.state_free {
+        // connectors.py S5: a session that ran a statement not proven state-free (a user variable, GET_LOCK,
+        // a function off the short list) serves nobody else; Python resets it, the plane closes it
+        lease.retire();
     }
     result
 }
