@@ -47,9 +47,15 @@ def env():
     return e
 
 
+def journal_dir(name) -> str:
+    """The recorders of one test share a journal (as an instance's do), out of the user's QAG_HOME."""
+    return os.path.join(tempfile.gettempdir(), "qag-rectest-journal" + name.replace("/", "-"))
+
+
 def start_recorder(name, url, slot):
     return subprocess.Popen([sys.executable, "-m", "qag.recorder", "--segment", name, "--store", url,
-                             "--slot", str(slot), "--batch-max", "2000", "--batch-ms", "20"],
+                             "--slot", str(slot), "--batch-max", "2000", "--batch-ms", "20",
+                             "--journal", journal_dir(name)],
                             cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
@@ -66,6 +72,7 @@ def segment():
     name = f"/qag-rectest-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     seg = Segment.create(name, slots=3)  # rings 0 and 1 for the producers, slot 2 for the recorder
     yield name, seg
+    shutil.rmtree(journal_dir(name), ignore_errors=True)
     seg.close()
     for unlink in (lambda: posix_ipc.unlink_shared_memory(name), lambda: posix_ipc.unlink_semaphore(name + "-w"),
                    lambda: posix_ipc.unlink_semaphore(name + "-r")):
