@@ -35,8 +35,8 @@ import time
 import requests
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.conftest import start_server  # noqa: E402
-from tests.e2e.plane_privdb import PrivateMariaDB, PrivatePostgres  # noqa: E402
+from tests.conftest import start_server
+from tests.e2e.plane_privdb import PrivateMariaDB, PrivatePostgres
 
 OUT = None
 
