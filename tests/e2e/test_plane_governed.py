@@ -124,3 +124,17 @@ def test_a_masked_key_on_a_whole_row_is_refused_through_the_plane(stack):
         rids.append(f"row{i}")
     runs = _served_by(srv, "whole_row", rids)
     assert not [r for r in rids if runs.get(r) == "plane"], runs
+
+
+def test_timeout_is_pythons_to_clamp_or_refuse_through_the_plane(stack):
+    """issue 13 item 4: a call with `timeout` is forwarded, so the plane answers exactly as Python clamps
+    (0.0004 s runs with 10 ms, never with no limit) or refuses (400 invalid_timeout)."""
+    srv = stack
+    for i, (t, status) in enumerate((("0.0004", 200), ("0", 400), ("-1", 400), ("abc", 400), ("1e9", 200))):
+        a, b = _both(srv, f"/q/who?id=1&timeout={t}", "plain", f"to{i}")
+        _same(a, b)
+        assert a[0] == status, (t, a)
+        if status == 400:
+            assert json.loads(a[1])["code"] == "invalid_timeout", (t, a)
+    runs = _served_by(srv, "who", [f"to{i}" for i in (0, 4)])
+    assert runs.get("to0", "").startswith("worker") and runs.get("to4", "").startswith("worker"), runs
