@@ -51,7 +51,11 @@ class PrivatePostgres:
             os.chown(self.dir, pw.pw_uid, pw.pw_gid)
         subprocess.run([f"{PG_BIN}/initdb", "-D", self.data, "-A", "trust", "-U", "postgres", "--no-sync",
                         "-E", "UTF8", "--locale", "C"], check=True, capture_output=True, **self._as)
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            self.close()  # never leave a server behind
+            raise
 
     def start(self) -> None:
         with open(os.path.join(self.dir, "log"), "ab") as log:
@@ -128,10 +132,14 @@ class PrivateMariaDB:
         user = ["--user=root"] if os.geteuid() == 0 else []
         subprocess.run(["mariadb-install-db", "--no-defaults", f"--datadir={self.data}", "--auth-root-authentication-method=normal",
                         "--skip-test-db", *user], check=True, capture_output=True)
-        self.start()
-        # mysql-connector and the plane come over TCP as root@127.0.0.1 (not root@localhost)
-        self.sql("CREATE USER IF NOT EXISTS 'root'@'127.0.0.1' IDENTIFIED BY ''; "
-                 "GRANT ALL ON *.* TO 'root'@'127.0.0.1' WITH GRANT OPTION; FLUSH PRIVILEGES")
+        try:
+            self.start()
+            # mysql-connector and the plane come over TCP as root@127.0.0.1 (not root@localhost)
+            self.sql("CREATE USER IF NOT EXISTS 'root'@'127.0.0.1' IDENTIFIED BY ''; "
+                     "GRANT ALL ON *.* TO 'root'@'127.0.0.1' WITH GRANT OPTION; FLUSH PRIVILEGES")
+        except BaseException:
+            self.close()  # never leave a server behind
+            raise
 
     def start(self) -> None:
         user = ["--user=root"] if os.geteuid() == 0 else []

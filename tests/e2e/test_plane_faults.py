@@ -118,11 +118,13 @@ PG_QUERIES = {
 def private_pg():
     from tests.e2e.plane_privdb import PrivatePostgres
     pg = PrivatePostgres()
-    pg.sql("CREATE DATABASE qag_rust_faults")
-    pg.sql("CREATE TABLE rust_t (id int PRIMARY KEY, name text); "
-           "INSERT INTO rust_t SELECT i, 'n' || i FROM generate_series(1, 100) i", db="qag_rust_faults")
-    yield pg
-    pg.close()
+    try:
+        pg.sql("CREATE DATABASE qag_rust_faults")
+        pg.sql("CREATE TABLE rust_t (id int PRIMARY KEY, name text); "
+               "INSERT INTO rust_t SELECT i, 'n' || i FROM generate_series(1, 100) i", db="qag_rust_faults")
+        yield pg
+    finally:
+        pg.close()
 
 
 def _pg_conn(pg) -> dict:
@@ -183,11 +185,13 @@ MY_QUERIES = {
 def private_mariadb():
     from tests.e2e.plane_privdb import PrivateMariaDB
     my = PrivateMariaDB()
-    my.sql("CREATE DATABASE qag_rust_faults")
-    my.sql("CREATE TABLE rust_t (id int PRIMARY KEY, name text); "
-           "INSERT INTO rust_t SELECT seq, CONCAT('n', seq) FROM seq_1_to_100", db="qag_rust_faults")
-    yield my
-    my.close()
+    try:
+        my.sql("CREATE DATABASE qag_rust_faults")
+        my.sql("CREATE TABLE rust_t (id int PRIMARY KEY, name text); "
+               "INSERT INTO rust_t SELECT seq, CONCAT('n', seq) FROM seq_1_to_100", db="qag_rust_faults")
+        yield my
+    finally:
+        my.close()
 
 
 def _my_conn(my) -> dict:
