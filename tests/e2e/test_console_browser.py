@@ -61,6 +61,18 @@ def shot(d, name):
     d.save_screenshot(os.path.join(SHOTS, f"{name}.png"))
 
 
+def navigating(d, click) -> None:
+    """Click, then wait until the page it leads to has replaced this one: an element looked up too early would
+    be the old page's (its flash, its published version)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+    old = d.find_element(By.TAG_NAME, "html")
+    click()
+    WebDriverWait(d, 30).until(ec.staleness_of(old))
+    WebDriverWait(d, 30).until(lambda drv: drv.execute_script("return document.readyState") == "complete")
+
+
 def fill(d, form_id, values: dict, submit=True):
     from selenium.webdriver.common.by import By
     form = d.find_element(By.ID, form_id)
@@ -76,7 +88,8 @@ def fill(d, form_id, values: dict, submit=True):
             el.clear()
             el.send_keys(value)
     if submit:
-        form.find_element(By.CSS_SELECTOR, "button[type=submit], button:not([type])").click()
+        button = form.find_element(By.CSS_SELECTOR, "button[type=submit], button:not([type])")
+        navigating(d, button.click)
 
 
 def wait_url(d, part: str, seconds: float = 10) -> None:
@@ -93,9 +106,7 @@ def sign_in(d, srv, token):
     d.get(srv.base + "/console")
     assert "/console/login" in d.current_url
     d.find_element(By.ID, "token").send_keys(token)
-    d.find_element(By.CSS_SELECTOR, "#login button").click()
-    from selenium.webdriver.support.ui import WebDriverWait
-    WebDriverWait(d, 10).until(lambda drv: drv.execute_script("return document.readyState") == "complete")
+    navigating(d, d.find_element(By.CSS_SELECTOR, "#login button").click)
 
 
 def test_an_operator_round_trip_in_a_real_browser(srv, browser):
@@ -113,7 +124,7 @@ def test_an_operator_round_trip_in_a_real_browser(srv, browser):
     d.get(srv.base + "/console/connections")
     fill(d, "new-connection", {"name": "shop", "db": "sqlite", "database": srv.data})
     assert "Connection created." in d.find_element(By.ID, "flash").text
-    d.find_element(By.CSS_SELECTOR, "tr[data-name=shop] button[value=test]").click()
+    navigating(d, d.find_element(By.CSS_SELECTOR, "tr[data-name=shop] button[value=test]").click)
     assert "reachable" in d.find_element(By.ID, "flash").text
     shot(d, "connections")
 
@@ -149,7 +160,7 @@ def test_an_operator_round_trip_in_a_real_browser(srv, browser):
     # the secret is shown once: reloading the page does not show it again
     d.get(srv.base + "/console/keys")
     assert secret not in d.page_source
-    d.find_element(By.CSS_SELECTOR, "tr[data-name=reader] button[value=revoke]").click()
+    navigating(d, d.find_element(By.CSS_SELECTOR, "tr[data-name=reader] button[value=revoke]").click)
     assert "revoked" in d.find_element(By.ID, "flash").text
     r = requests.get(srv.base + "/q/customer", params={"id": 1}, headers={"X-API-Key": secret,
                                                                              "X-Request-Id": "after-revoke"},
@@ -173,7 +184,7 @@ def test_an_operator_round_trip_in_a_real_browser(srv, browser):
         shot(d, page)
     assert "reader" in d.find_element(By.ID, "audit").text
 
-    d.find_element(By.ID, "signout").click()
+    navigating(d, d.find_element(By.ID, "signout").click)
     wait_url(d, "/console/login")
     d.get(srv.base + "/console/keys")
     assert "/console/login" in d.current_url, "signed out, the Console must ask to sign in again"
