@@ -104,34 +104,15 @@ def _text(v) -> str:
     return t if isinstance(t, str) else repr(t) if isinstance(t, float) else str(t)
 
 
-# -- TSV -----------------------------------------------------------------------------------------------------
-def _tsv_writer(buf):
-    return csv.writer(buf, delimiter="\t", lineterminator="\r\n")
-
-
+# -- TSV ----------------------------------------------------------------------------------------------------
 def render_tsv(columns, rows) -> bytes:
-    from qag.render import _csv_value
-    buf = io.StringIO()
-    w = _tsv_writer(buf)
-    w.writerow(columns)
-    for r in rows:
-        w.writerow([_csv_value(v) for v in r])
-    return buf.getvalue().encode("utf-8")
+    from qag.render import render_csv
+    return render_csv(columns, rows, delimiter="\t")
 
 
 def stream_tsv(columns, batches) -> Iterator[bytes]:
-    from qag.render import _csv_value
-    buf = io.StringIO()
-    w = _tsv_writer(buf)
-    w.writerow(columns)
-    yield buf.getvalue().encode("utf-8")
-    for batch in batches:
-        buf.seek(0)
-        buf.truncate()
-        for r in batch:
-            w.writerow([_csv_value(v) for v in r])
-        if batch:
-            yield buf.getvalue().encode("utf-8")
+    from qag.render import stream_csv
+    return stream_csv(columns, batches, delimiter="\t")
 
 
 # -- XML -----------------------------------------------------------------------------------------------------

@@ -85,9 +85,9 @@ def _csv_value(v):
     return d if isinstance(d, (str, int, float)) else _encode(d)
 
 
-def render_csv(columns: list[str], rows: list[tuple]) -> bytes:
+def render_csv(columns: list[str], rows: list[tuple], delimiter: str = ",") -> bytes:
     buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\r\n")
+    w = csv.writer(buf, delimiter=delimiter, lineterminator="\r\n")
     w.writerow(columns)
     for r in rows:
         w.writerow([_csv_value(v) for v in r])
@@ -103,9 +103,9 @@ def stream_ndjson(columns: list[str], batches: Iterator[list[tuple]]) -> Iterato
             yield b"".join(_line(columns, r) for r in batch)
 
 
-def stream_csv(columns: list[str], batches: Iterator[list[tuple]]) -> Iterator[bytes]:
+def stream_csv(columns: list[str], batches: Iterator[list[tuple]], delimiter: str = ",") -> Iterator[bytes]:
     buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\r\n")
+    w = csv.writer(buf, delimiter=delimiter, lineterminator="\r\n")
     w.writerow(columns)
     yield buf.getvalue().encode("utf-8")
     for batch in batches:
