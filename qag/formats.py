@@ -9,7 +9,6 @@ its column's type (a masked column is text).
 """
 from __future__ import annotations
 
-import csv
 import datetime as _dt
 import decimal
 import io
