@@ -236,7 +236,7 @@ def test_quota_and_cache_ttl(app_client, sqlite_db):
     key = post(c, "/api/v1/api-keys", {"name": "q", "queries": ["n"], "quota": "3/day"}, 201).json["secret"]
     h = {"X-API-Key": key}
     first = c.simulate_get("/q/n", headers=h)
-    assert first.json == [{"n": 2}] and first.headers.get("X-Cache") is None
+    assert first.json == [{"n": 2}] and first.headers.get("X-Cache") == "miss"
     db = sqlite3.connect(sqlite_db)
     db.execute("INSERT INTO t VALUES (3, 'cy', 'cy@z.org')")
     db.commit()
