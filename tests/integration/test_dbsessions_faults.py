@@ -85,7 +85,10 @@ def test_mariadb_one_query_per_read_and_no_ping(pmy):
             c.run(LOOKUP, (i + 1,), write=False, timeout=0.5, max_rows=None, state_free=True)
         after = pmy.status(*names)
         delta = {k: after[k] - before[k] - probe[k] for k in names}
-        assert delta == {"Questions": 70, "Com_admin_commands": 0, "Com_select": 70}, delta
+        # One SELECT per read and no ping (a ping is an admin command). Questions is the server's global count:
+        # a full CI run once saw one more than the 70 reads (the status probe's own session), so it may be 71.
+        assert delta["Com_select"] == 70 and delta["Com_admin_commands"] == 0, delta
+        assert 70 <= delta["Questions"] <= 71, delta
         # a read not proven state-free: the statement, COM_RESET_CONNECTION and one SET (S5)
         before = pmy.status(*names)
         for i in range(10):
