@@ -57,11 +57,13 @@ def hosts(tmp_path_factory):
     r = requests.post(a.base + "/api/v1/queries", json={"name": "two", "connection_name": "d", "publish": True,
                                                          "sql": "SELECT id FROM t"}, headers=adm, timeout=10)
     assert r.status_code == 201, r.text
-    yield {"a": a, "b": b, "adm": adm, "redis": rds, "redis_port": port, "tmp": tmp, "env": env}
+    h = {"a": a, "b": b, "adm": adm, "redis": rds, "redis_port": port, "tmp": tmp, "env": env}
+    yield h
     a.stop()
     b.stop()
-    rds.kill()
-    rds.wait(5)
+    for p in {rds, h["redis"]}:   # the test that kills Redis starts a new one in its place
+        p.kill()
+        p.wait(5)
 
 
 def make_key(h, **grants) -> str:
