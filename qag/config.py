@@ -171,7 +171,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("send_timeout", "QAG_SEND_TIMEOUT", _pos_float, "30", "Seconds a send to a client that does not read may block; then the answer is dropped (a stream's database session is released).", "seconds"),
     Setting("reserve_threads", "QAG_RESERVE_THREADS", _pos_int, "2", "Threads per worker, beside QAG_THREADS, that serve only the Management API and operations routes; /health and /metrics have one more of their own.", "int"),
     Setting("key_calls", "QAG_KEY_CALLS", _nonneg_int, "0", "Data calls of one key in flight in one worker; 0: QAG_THREADS - 1 (at least 1). More wait for a thread without holding one.", "int"),
-    Setting("key_queue", "QAG_KEY_QUEUE", _nonneg_int, "64", "Data calls of one key waiting for a thread in one worker; more get 429 too_many_calls.", "int"),
+    Setting("key_queue", "QAG_KEY_QUEUE", _nonneg_int, "1000", "Data calls of one key waiting for a thread in one worker (they hold no thread); more get 429 too_many_calls.", "int"),
     Setting("connection_calls", "QAG_CONNECTION_CALLS", _nonneg_int, "0", "Calls in flight on one data connection in one worker; more get 503 busy (0: no bound but the threads).", "int"),
     Setting("max_streams", "QAG_MAX_STREAMS", _nonneg_int, "16", "Open ?stream=true answers on the instance; more get 503 too_many_streams.", "int"),
     Setting("key_streams", "QAG_KEY_STREAMS", _nonneg_int, "2", "Open ?stream=true answers of one key on the instance.", "int"),

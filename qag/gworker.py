@@ -215,7 +215,7 @@ class QagWorker(ThreadWorker):
         self.reserve = q.reserve_threads if q is not None else 2
         key_calls = (q.key_calls if q is not None else 0) or max(1, threads - 1)
         self.ep = select.epoll()
-        self.data = FairQueue(key_calls, q.key_queue if q is not None else 64)
+        self.data = FairQueue(key_calls, q.key_queue if q is not None else 1000)
         self.ops: queue.SimpleQueue = queue.SimpleQueue()
         self.health: queue.SimpleQueue = queue.SimpleQueue()
         self.conns: dict[int, TConn] = {}  # fd -> connection, busy or idle
