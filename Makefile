@@ -20,10 +20,10 @@ test: venv browser promtool
 browser:
 	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
 		{ command -v apt-get >/dev/null && { [ "$$(id -u)" = 0 ] && S= || S=sudo; \
-		  $$S apt-get update -q && $$S DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; } ; } || \
+		  $$S apt-get update -q && $$S env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; } ; } || \
 		echo "chromium not installed: the Console's browser tests will be skipped"
 
-# promtool runs deploy/prometheus's rule unit tests (tests/unit/test_deploy.py); it comes with Debian's `prometheus`
+# promtool runs deploy/prometheus's rule unit tests (tests/deploy/test_deploy.py); it comes with Debian's `prometheus`
 # package. Where apt-get is missing or we are not root, nothing is installed and those tests skip.
 PROMTOOL_APT := DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus >/dev/null
 promtool:

@@ -229,7 +229,7 @@ def plan_time(name, w, rounds):
 def make_app(home):
     os.environ.update({"QAG_HOME": home, "QAG_ADMIN_KEY": "bench-admin-key", "QAG_DATABASE_URL": ""})
     from qag import config
-    from qag.app import create_app
+    from qag.http.app import create_app
     return create_app(config.load())
 
 

@@ -14,14 +14,14 @@ database server backend (what an otherwise idle 2-core machine would do, each on
 rounds x runs runs in its event stream, history and usage (none lost, none duplicated).
 
 Producer cost: what recording adds to one call in a worker, in-process on a real segment ring: the run
-dict's recording fields set, the record packed and pushed under the ring's lock (qag.worker.RingRecorder),
+dict's recording fields set, the record packed and pushed under the ring's lock (qag.server.worker.RingRecorder),
 in microseconds of CPU per call, and as a share of a worker's CPU per call (--worker-cpu-us, default
 600: the low end of what the lead's bench measures per PK lookup on this machine; a smaller
 per-call cost makes the share larger, so the low end is the conservative one).
 
 End-to-end A/B (--ab): `qag serve` with one worker pinned to CPU 0 serving the PK lookup of bench/oltp.py
 (pgbench data, plain key) to oha on CPU 1, as shipped (A) and with the worker's ring recorder replaced by a
-no-op in a bench-only launcher (B: qag.worker.RingRecorder.__call__ patched before the arbiter forks; no
+no-op in a bench-only launcher (B: qag.server.worker.RingRecorder.__call__ patched before the arbiter forks; no
 product setting turns recording off). Rounds alternate A and B; the worker's own CPU per call (from /proc,
 by its title) is compared, and the recorder process's CPU per call is reported beside it: the recorder runs
 on the workers' cores, so its share is recording's cost to a worker too.
@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from qag import runrecord as rr
 from qag.recorder import run_recorder
-from qag.recorder._throughput import _fill, _pg_db, _proc_cpu
+from recorder_throughput import _fill, _pg_db, _proc_cpu
 from qag.runstore import StoreSettings, open_store
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -110,10 +110,10 @@ class Target:
 
 def producer_cost(calls: int, rounds: int) -> dict:
     """Per-call CPU of recording in a worker: fill the run's recording fields, pack, push under the lock
-    (what QagApp.finish and qag.worker.RingRecorder do), on a real segment ring drained between chunks."""
+    (what QagApp.finish and qag.server.worker.RingRecorder do), on a real segment ring drained between chunks."""
     import shm
     from qag.metrics import Observer
-    from qag.worker import RingRecorder
+    from qag.server.worker import RingRecorder
 
     seg = shm.Segment.create(f"/qag-bench-prod-{os.getpid()}-{uuid.uuid4().hex[:6]}", slots=1)
     try:
@@ -150,7 +150,7 @@ def producer_cost(calls: int, rounds: int) -> dict:
 class _NoRecordQag:
     """Mixin for bench/targets.Qag: the same `qag serve`, its workers' ring recorder a no-op (bench only)."""
 
-    PATCH = ("import sys, qag.worker as w; w.RingRecorder.__call__ = lambda self, run: True; "
+    PATCH = ("import sys, qag.server.worker as w; w.RingRecorder.__call__ = lambda self, run: True; "
              "from qag.cli import main; sys.argv[0] = 'qag'; sys.exit(main())")
 
     def command(self, workers, threads):

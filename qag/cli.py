@@ -17,7 +17,7 @@ def _cfg(args, **over):
 
 
 def cmd_serve(args) -> int:
-    from qag import serve
+    from qag.server import serve
     over = {}
     if args.bind:
         over["bind"] = args.bind
@@ -67,7 +67,7 @@ def _bump_global(cfg) -> None:
     """A CLI change reaches running workers through the segment's generations."""
     try:
         import shm
-        from qag.arbiter import instance_name
+        from qag.server.arbiter import instance_name
         seg = shm.Segment.attach(instance_name(cfg))
     except Exception:
         return
@@ -99,7 +99,7 @@ def cmd_shm(args) -> int:
     cfg = _cfg(args)
     try:
         import shm
-        from qag.arbiter import instance_name
+        from qag.server.arbiter import instance_name
         seg = shm.Segment.attach(args.name or instance_name(cfg))
     except Exception as exc:
         print(f"qag: cannot attach the segment: {exc}", file=sys.stderr)

@@ -46,7 +46,7 @@ def make_database(path: str, seed: int = 7) -> None:
 
 def setup(cfg) -> dict:
     """Create the example database and everything on the API; returns the keys' secrets."""
-    from qag.app import create_app
+    from qag.http.app import create_app
     os.makedirs(cfg.home, exist_ok=True)
     path = os.path.join(cfg.home, "example.db")
     if not os.path.exists(path):
@@ -134,5 +134,5 @@ In a browser:
     os.environ.update({k: env[k] for k in ("QAG_HOME", "QAG_ADMIN_KEY")})
     if args.bind:
         os.environ["QAG_BIND"] = args.bind
-    from qag import serve
+    from qag.server import serve
     return serve.run(cfg)

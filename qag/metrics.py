@@ -143,7 +143,7 @@ class Observer:
             self.backend.counter_add(self.slot, "qag_store_statements_total", (), 1)
 
     def http_dropped(self, reason: str) -> None:
-        """The HTTP worker closed a client's connection on the client's account (qag/gworker.py)."""
+        """The HTTP worker closed a client's connection on the client's account (qag/server/gworker.py)."""
         with self.lock:
             self.backend.counter_add(self.slot, "qag_http_dropped_total", (("reason", reason),), 1)
 

@@ -4,7 +4,7 @@
 One SQL text serves both engines: statements are written with `?` markers and translated to `%s` for
 psycopg2. Every change is one transaction that also writes its audit row; the caller bumps the
 generations the change affects after commit and before acknowledging it (qag/runtime.py), and other hosts
-apply it from its sequence number (qag/changes.py).
+apply it from its sequence number (qag/server/changes.py).
 """
 from __future__ import annotations
 
@@ -284,7 +284,7 @@ class Store:
     def audit(self, cur: "_Cursor", actor: str, action: str, entity: str, name: str,
               before: dict | None, after: dict | None) -> None:
         # The change's sequence number (migration 2): the counter row stays locked until this transaction
-        # commits, so the next change gets the next number only after this one is visible (qag/changes.py).
+        # commits, so the next change gets the next number only after this one is visible (qag/server/changes.py).
         cur.execute("UPDATE qag_change_seq SET n = n + 1 WHERE id = 1")
         cur.execute("SELECT n FROM qag_change_seq WHERE id = 1")
         seq = cur.fetchone()[0]
@@ -292,7 +292,7 @@ class Store:
                     "VALUES (?,?,?,?,?,?,?,?)",
                     (timeutil.now_text(), actor, action, entity, name,
                      _dumps(_redact_row(before, after, "before")), _dumps(_redact_row(before, after, "after")), seq))
-        if self.is_pg:  # other hosts on this store hear of it at commit (qag/changes.py)
+        if self.is_pg:  # other hosts on this store hear of it at commit (qag/server/changes.py)
             cur.execute("SELECT pg_notify('qag_changes', ?)", (f"{seq}:{entity}:{name}",))
 
     def change_position(self) -> int:

@@ -340,7 +340,7 @@ class Segment:
     def bump_all(self) -> None:
         """G4: every slot of every kind, then the global generation, under the writers' lock: every cached entry
         of this segment (a worker's, the plane's) is stale when this returns. For a process that cannot tell
-        which changes it missed (the change watcher, qag/changes.py)."""
+        which changes it missed (the change watcher, qag/server/changes.py)."""
         q = self._q
         with self._lock:
             for base in self._gen_base.values():

@@ -82,7 +82,7 @@ def app_client(home):
     """The app in-process on a fresh SQLite store (single process: LocalGenerations)."""
     import falcon.testing
     from qag import config
-    from qag.app import create_app
+    from qag.http.app import create_app
     cfg = config.load({"QAG_HOME": home, "QAG_ADMIN_KEY": "adm", "QAG_ALLOW_WRITES": "1"})
     app = create_app(cfg)
     client = falcon.testing.TestClient(app)

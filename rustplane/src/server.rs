@@ -1,5 +1,5 @@
 //! HTTP: one current-thread runtime per plane thread (SO_REUSEPORT listeners, pinned), the request path
-//! of `GET /q/<name>` mirroring qag/app.py's DataResource.serve, and forwarding of everything else to
+//! of `GET /q/<name>` mirroring qag/http/app.py's DataResource.serve, and forwarding of everything else to
 //! gunicorn over kept-alive HTTP/1.1 connections.
 
 use crate::entries::{ConnEntry, KeyEntry, PlanEntry, PlanLookup};
@@ -457,7 +457,7 @@ async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Option<IpAddr>)
     h.insert("x-page-size", num(opts.page_size));
     h.insert("x-row-count", num(nrows as i64));
     h.insert("x-has-more", HeaderValue::from_static(if has_more { "true" } else { "false" }));
-    // as Python's answers (qag/app.py RequestIdMiddleware): never sniffed; the plane serves no cache_ttl query
+    // as Python's answers (qag/http/app.py RequestIdMiddleware): never sniffed; the plane serves no cache_ttl query
     h.insert("cache-control", HeaderValue::from_static("no-store"));
     h.insert("x-content-type-options", HeaderValue::from_static("nosniff"));
     if opts.format == Format::Csv {

@@ -1,4 +1,4 @@
-"""End to end: qag's gunicorn worker class (qag/gworker.py) keeps gthread's HTTP behaviour: keep-alive,
+"""End to end: qag's gunicorn worker class (qag/server/gworker.py) keeps gthread's HTTP behaviour: keep-alive,
 pipelining, idle connections that hold no thread, idle time-outs, a graceful stop that finishes what is in
 flight; and QAG_HTTP_WORKER=gthread still selects gunicorn's own worker."""
 from __future__ import annotations
@@ -56,7 +56,7 @@ def srv():
 
 
 def test_qag_worker_is_the_default(srv):
-    assert worker_class(srv) == "qag.gworker.QagWorker"
+    assert worker_class(srv) == "qag.server.gworker.QagWorker"
 
 
 def test_keepalive_and_pipelined_requests_on_one_connection(srv):

@@ -67,7 +67,7 @@ def test_auto_workers_pinned_one_per_physical_core(pgbench_dsn):
     srv = start_server(cmd_env, args=())
     try:
         ws = workers(srv)
-        from qag.serve import physical_cores
+        from qag.server.serve import physical_cores
         cores = physical_cores(sorted(os.sched_getaffinity(0)))
         assert len(ws) == len(cores)
         pinned = sorted(cpus_allowed(p) for p in ws)
@@ -382,7 +382,7 @@ def test_concurrent_burst_counted_and_recorded_exactly(pgbench_dsn):
 
 
 def test_allowed_ips_hold_for_calls_the_plane_forwards(pgbench_dsn):
-    from qag.arbiter import plane_binary
+    from qag.server.arbiter import plane_binary
     if plane_binary() is None:
         pytest.skip("qag-plane is not built (the plane's e2e tests build it)")
     srv = start_server(args=("--workers", "1", "--plane"))

@@ -1,7 +1,7 @@
 """End to end, two hosts on one PostgreSQL metadata store (two `qag serve` with their own QAG_HOME and segment):
 a revocation made on host A reaches host B whatever B's change watcher is going through when it commits —
 SIGKILLed, its LISTEN session cut, the notification never sent, hung — and B fails closed meanwhile: it
-does not answer from entries it cannot prove current (issue 13, item 1; qag/changes.py, shm/LAYOUT.md W1-W4).
+does not answer from entries it cannot prove current (issue 13, item 1; qag/server/changes.py, shm/LAYOUT.md W1-W4).
 With `--plane` the same holds for calls the data plane serves from the segment."""
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def data_db():
 def hosts(request, data_db):
     args = ("--workers", "1")
     if request.param == "plane":
-        from qag.arbiter import plane_binary
+        from qag.server.arbiter import plane_binary
         if plane_binary() is None:
             pytest.skip("qag-plane is not built")
         args = ("--workers", "1", "--plane", "--plane-threads", "1")

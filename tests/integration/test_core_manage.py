@@ -10,7 +10,7 @@ import falcon.testing
 import pytest
 
 from qag import config
-from qag.app import create_app
+from qag.http.app import create_app
 from tests.conftest import pg_exec, pg_fresh_db
 
 A = {"X-API-Key": "adm"}

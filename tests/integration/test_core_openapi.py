@@ -66,7 +66,7 @@ def test_operations_carry_schemas_and_error_bodies(seeded):
 
 
 def test_request_bodies_are_the_handlers_field_lists(seeded):
-    from qag.api import manage as M
+    from qag.http import manage as M
     doc = seeded.simulate_get("/openapi.json", headers=A).json
     body = lambda p, m: doc["paths"][p][m]["requestBody"]["content"]["application/json"]["schema"]
     assert set(body("/api/v1/connections", "post")["properties"]) == set(M.CONN_FIELDS)

@@ -9,8 +9,8 @@ import time
 import pytest
 
 import shm
-from qag.arbiter import watcher_slot
-from qag.changes import ChangeWatcher, WatchedGenerations, watcher_current
+from qag.server.arbiter import watcher_slot
+from qag.server.changes import ChangeWatcher, WatchedGenerations, watcher_current
 from qag.store import Store
 from tests.conftest import pg_fresh_db
 

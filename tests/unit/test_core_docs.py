@@ -13,8 +13,8 @@ def test_every_metric_documented_in_readme():
 
 def test_every_route_in_openapi(tmp_path):
     from qag import config
-    from qag.api.openapi import DOC_ASSET_ROUTES, static_paths
-    from qag.app import create_app
+    from qag.http.openapi import DOC_ASSET_ROUTES, static_paths
+    from qag.http.app import create_app
     app = create_app(config.load({"QAG_HOME": str(tmp_path)}))
     routes = set()
 
@@ -24,7 +24,7 @@ def test_every_route_in_openapi(tmp_path):
                 routes.add(n.uri_template)
             walk(n.children)
     walk(app.falcon._router._roots)
-    from qag import console
+    from qag.http import console
     # the Console's own pages and files are HTML behind its sign-in, not API operations: /console stands for them
     missing = routes - set(static_paths()) - set(DOC_ASSET_ROUTES) - set(console.ROUTES[1:])
     assert not missing, f"routes missing from /openapi.json: {sorted(missing)}"
@@ -32,7 +32,7 @@ def test_every_route_in_openapi(tmp_path):
 
 def test_every_route_in_api_contract_exists(tmp_path):
     """The contract's routes (docs/api.md) are all served."""
-    from qag.api.openapi import static_paths
+    from qag.http.openapi import static_paths
     STATIC_PATHS = static_paths()
     for path in ("/q/{name}", "/api/v1/connections", "/api/v1/connections/test", "/api/v1/connections/{name}",
                  "/api/v1/queries", "/api/v1/queries/{name}", "/api/v1/queries/{name}/versions",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from qag import config
-from qag.app import call_options
+from qag.http.app import call_options
 from qag.connectors import limit_ms, state_free
 from qag.errors import ApiError
 

@@ -197,12 +197,12 @@ class FairQueue:
 
 
 class QagWorker(ThreadWorker):
-    """`worker_class = "qag.gworker.QagWorker"`. The main thread accepts, reads every request whole without a
+    """`worker_class = "qag.server.gworker.QagWorker"`. The main thread accepts, reads every request whole without a
     thread, and hands it to one of three pools: the data threads (`threads`, per-key fair), the reserve
     threads (QAG_RESERVE_THREADS: the Management API and the other operations routes) and one thread of
     its own for /health and /metrics, so neither waits behind data calls."""
 
-    qag = None  # the qag settings (qag.config.Config), set by qag.serve before the workers fork
+    qag = None  # the qag settings (qag.config.Config), set by qag.server.serve before the workers fork
 
     def init_process(self):
         _freeze(self.cfg)
@@ -587,7 +587,7 @@ class QagWorker(ThreadWorker):
             if not self.is_parent_alive():
                 break
         # Graceful stop: take what the listening socket still holds (the arbiter shut it for new
-        # connections before it signalled us, qag.serve), then serve what is in flight.
+        # connections before it signalled us, qag.server.serve), then serve what is in flight.
         while any(self._accept(s) for s in self.listen_fds.values()):
             pass
         self._set_accepting(False)

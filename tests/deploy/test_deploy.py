@@ -207,9 +207,9 @@ def test_dockerfile_copy_sources_exist_and_are_not_dockerignored():
 
 def test_dockerignore_keeps_local_builds_and_caches_out():
     for rel in (".git", ".venv", "qag.egg-info", "qag/__pycache__/app.cpython-311.pyc", "rustplane/target",
-                "rustplane/target/release/qag-plane", "tests/unit/test_deploy.py", "shm/__pycache__/x.pyc"):
+                "rustplane/target/release/qag-plane", "tests/deploy/test_deploy.py", "shm/__pycache__/x.pyc"):
         assert _ignored(rel), f"{rel} should be excluded from the build context"
-    for rel in ("setup.cfg", "qag/app.py", "shm/LAYOUT.md", "rustplane/Cargo.toml", "rustplane/src/main.rs"):
+    for rel in ("setup.cfg", "qag/http/app.py", "shm/LAYOUT.md", "rustplane/Cargo.toml", "rustplane/src/main.rs"):
         assert not _ignored(rel), f"{rel} is needed by the build"
 
 
@@ -233,8 +233,8 @@ def test_runtime_stage_copies_exactly_the_package_build_inputs():
             assert list((ROOT / pkg.replace(".", "/")).glob(g)), f"package_data {pkg}/{g} matches nothing"
 
 
-@pytest.mark.xfail(condition=not (ROOT / "qag" / "api" / "__init__.py").exists(), strict=True,
-                   reason="qag/api/ has no __init__.py: `packages = find:` leaves qag.api out of the wheel, so an "
+@pytest.mark.xfail(condition=not (ROOT / "qag" / "http" / "__init__.py").exists(), strict=True,
+                   reason="qag/http/ has no __init__.py: `packages = find:` leaves qag.http out of the wheel, so an "
                           "installed qag (the image, /opt/qag) fails to boot its workers")
 def test_installed_package_holds_every_module_of_the_source_tree():
     """What `pip install .` ships is what setuptools finds; a directory of modules it misses runs from the
@@ -311,7 +311,7 @@ def test_plane_stage_builds_the_crates_binary_where_qag_looks_for_it(tmp_path, m
     src, dest = _copy_sources(copied[0])
     assert src == [m.group(2)] and dest == "/usr/local/bin/qag-plane"
     # qag serve --plane finds the binary on PATH, as it is in the image.
-    from qag import arbiter
+    from qag.server import arbiter
     binary = tmp_path / "qag-plane"
     binary.write_text("#!/bin/sh\n")
     binary.chmod(0o755)

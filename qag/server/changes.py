@@ -94,7 +94,7 @@ class WatchedGenerations:
 
 
 class ChangeWatcher:
-    """The loop of `python -m qag.changes`: one per instance, in its own process and slot."""
+    """The loop of `python -m qag.server.changes`: one per instance, in its own process and slot."""
 
     def __init__(self, store, segment, slot: int, stop: threading.Event, listen_name: str = "qag-changes"):
         self.store = store
@@ -178,14 +178,14 @@ class ChangeWatcher:
 
 
 def main(argv=None) -> int:
-    """`python -m qag.changes --segment NAME --slot N`: the watcher as its own process (no store connection is
+    """`python -m qag.server.changes --segment NAME --slot N`: the watcher as its own process (no store connection is
     ever inherited by a forked worker), supervised by the arbiter like the recorder."""
     import argparse
     import signal
 
     from qag import config
     from qag.store import Store
-    ap = argparse.ArgumentParser(prog="python -m qag.changes")
+    ap = argparse.ArgumentParser(prog="python -m qag.server.changes")
     ap.add_argument("--segment", required=True)
     ap.add_argument("--slot", type=int, default=None, help="default: the arbiter's watcher slot")
     args = ap.parse_args(argv)
@@ -196,7 +196,7 @@ def main(argv=None) -> int:
         pass
     logging.basicConfig(level="INFO", format="%(asctime)s qag: changes %(levelname)s %(message)s")
     import shm
-    from qag.arbiter import watcher_slot
+    from qag.server.arbiter import watcher_slot
     cfg = config.load()
     seg = shm.Segment.attach(args.segment)
     stop = threading.Event()

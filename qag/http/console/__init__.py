@@ -208,7 +208,7 @@ class Login(Console):
         fields = {k: v[-1] for k, v in urllib.parse.parse_qs(raw, keep_blank_values=True).items()}
         token = fields.get("token", "")
         nxt = _safe_next(fields.get("next"))
-        from qag.app import client_addr
+        from qag.http.app import client_addr
         try:
             p = self.app.runtime.authenticate(token or None, client_addr(req))
         except ApiError:

@@ -25,7 +25,7 @@ PLANE_CHILD = "the data plane"
 
 
 def watcher_slot(slots: int) -> int:
-    """The change watcher's slot (qag/changes.py; shm/LAYOUT.md [Slot metadata] W1)."""
+    """The change watcher's slot (qag/server/changes.py; shm/LAYOUT.md [Slot metadata] W1)."""
     return slots - WATCHER_SLOT_FROM_TOP
 
 
@@ -264,7 +264,7 @@ class ArbiterHooks:
         self.children = [Child("the recorder", [sys.executable, "-m", "qag.recorder", "--segment", self.segment_name,
                                                 "--store", url, "--slot", str(self.recorder_slot)])]
         self.watcher_slot = watcher_slot(slots)
-        self.children.append(Child("the change watcher", [sys.executable, "-m", "qag.changes", "--segment",
+        self.children.append(Child("the change watcher", [sys.executable, "-m", "qag.server.changes", "--segment",
                                                           self.segment_name, "--slot", str(self.watcher_slot)]))
         if self.plane is not None:
             self.children.append(self._plane_child())
@@ -296,7 +296,7 @@ class ArbiterHooks:
         return Child(PLANE_CHILD, cmd, env)
 
     def _supervise(self) -> None:
-        from qag.changes import watcher_current
+        from qag.server.changes import watcher_current
         watcher = self.children[1]
         while not self._stop.wait(0.2):
             for c in self.children:

@@ -7,7 +7,7 @@ import threading
 import time
 
 from qag import runrecord
-from qag.app import QagApp
+from qag.http.app import QagApp
 from qag.metrics import Observer
 from qag.runtime import Runtime
 from qag.store import Store
@@ -102,15 +102,15 @@ def build_worker_app(cfg, *, slot: int, segment_name: str | None, plane_slot: in
     segment.set_slot(slot, "worker", os.getpid())
     observer = Observer(backend=segment, slot=slot)
     store.observer = observer
-    from qag.arbiter import watcher_slot
-    from qag.changes import WatchedGenerations
-    # cached entries are trusted only while this host's change watcher is caught up (qag/changes.py)
+    from qag.server.arbiter import watcher_slot
+    from qag.server.changes import WatchedGenerations
+    # cached entries are trusted only while this host's change watcher is caught up (qag/server/changes.py)
     runtime = Runtime(cfg, store, WatchedGenerations(segment, watcher_slot(segment.slots)), slot=slot)
     from qag.publish import Publisher
     runtime.publisher = Publisher(segment, cfg)
     recorder = RingRecorder(segment, slot, cfg.record_wait_ms, observer)
     observer.gauges.append(lambda: segment_gauges(segment, runtime))
     app = QagApp(cfg, runtime, observer=observer, recorder=recorder, segment=segment)
-    from qag.arbiter import run_store_url
+    from qag.server.arbiter import run_store_url
     app.run_store_url = run_store_url(cfg)
     return app

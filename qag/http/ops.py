@@ -1,4 +1,4 @@
-"""Operations routes: /health and /metrics (the whole instance); /openapi.json and /docs are qag/api/openapi.py's."""
+"""Operations routes: /health and /metrics (the whole instance); /openapi.json and /docs are qag/http/openapi.py's."""
 from __future__ import annotations
 
 import hmac
@@ -34,5 +34,5 @@ def register(app) -> None:
     f = app.falcon
     f.add_route("/health", Health(app))
     f.add_route("/metrics", Metrics(app))
-    from qag.api import openapi
+    from qag.http import openapi
     openapi.register(app)  # /openapi.json, /docs and /

@@ -1,6 +1,6 @@
 """Recorder throughput: runs/s from real segment rings through `run_recorder` into each run store.
 
-    python -m qag.recorder._throughput [--stores sqlite,postgresql,clickhouse] [--runs 180000] [--rounds 3]
+    python bench/recorder_throughput.py [--stores sqlite,postgresql,clickhouse] [--runs 180000] [--rounds 3]
 
 Each round fills two rings (two producers' worth) with typical run records, then times the
 recorder draining them into the store: decode, batch, id minting, one write per batch, commit,
@@ -20,9 +20,13 @@ import threading
 import time
 import uuid
 
-from .. import runrecord as rr
-from ..runstore import StoreSettings, open_store
-from . import run_recorder
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from qag import runrecord as rr  # noqa: E402
+from qag.recorder import run_recorder  # noqa: E402
+from qag.runstore import StoreSettings, open_store  # noqa: E402
 
 PG_ADMIN = os.environ.get("QAG_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 
@@ -157,7 +161,7 @@ def resume_check(kind: str, total: int, reconnects: int, seed: int = 7) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m qag.recorder._throughput", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python bench/recorder_throughput.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stores", default="sqlite,postgresql,clickhouse")
     ap.add_argument("--runs", type=int, default=160_000, help="runs per round (two rings of 8 MiB hold ~180,000)")

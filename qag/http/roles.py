@@ -6,7 +6,7 @@ from __future__ import annotations
 import falcon
 
 from qag import identity
-from qag.api.manage import (
+from qag.http.manage import (
     GRANT_FIELDS,
     _type_error,
     check_fields,

@@ -16,7 +16,7 @@ _SYSTEM_SCHEMAS = {"pg_catalog", "information_schema", "pg_toast", "mysql", "per
 
 
 def _principal(app, req):
-    from qag.app import client_addr
+    from qag.http.app import client_addr
     return app.runtime.authenticate_caller(req.get_header("X-API-Key"), req.get_header("Authorization"),
                                            client_addr(req))
 

@@ -209,13 +209,13 @@ class DataResource:
         query_seconds = None
         plan_hit = None
         try:
-            # The Console's "try it" calls in-process as its signed-in administrator (qag/console: PRINCIPAL_ENV).
+            # The Console's "try it" calls in-process as its signed-in administrator (qag/http/console: PRINCIPAL_ENV).
             principal = req.env.get("qag.console_principal") or rt.authenticate_caller(
                 req.get_header("X-API-Key"), req.get_header("Authorization"), client_addr(req))
             run["key_name"] = None if principal.admin else principal.caller
             if req.get_header("X-Qag-Via") == "mcp" and client_addr(req) in ("127.0.0.1", "::1"):
                 run["served_by"], run["transport"] = "mcp", "mcp"   # a tool call of `qag mcp` on this host
-            if req.env.get("qag.too_many_calls"):  # the worker found this key's queue full (qag/gworker.py)
+            if req.env.get("qag.too_many_calls"):  # the worker found this key's queue full (qag/server/gworker.py)
                 raise ApiError(429, "too_many_calls", "This key has too many calls waiting in this worker; wait "
                                "for some to finish and retry in 1 s.", {"retry_after": 1}, {"Retry-After": "1"})
             limits = rt.check_rate(principal)
@@ -555,8 +555,8 @@ class QagApp:
         self.falcon.add_error_handler(falcon.HTTPError, self._on_http_error)
         self.falcon.add_error_handler(ApiError, self._on_api_error)
         self.falcon.add_route(DataResource.ROUTE, DataResource(self))
-        from qag import console
-        from qag.api import catalog, manage, ops, roles, runs
+        from qag.http import console
+        from qag.http import catalog, manage, ops, roles, runs
         catalog.register(self)
         roles.register(self)
         console.register(self)
@@ -664,7 +664,7 @@ class QagApp:
 
 
 def create_app(cfg=None, *, store=None, gens=None, observer=None, recorder=None, segment=None) -> QagApp:
-    """Build the application for one process (tests call this directly; gunicorn via qag.serve)."""
+    """Build the application for one process (tests call this directly; gunicorn via qag.server.serve)."""
     from qag import config
     from qag.runtime import LocalGenerations
     from qag.store import Store

@@ -1,7 +1,7 @@
 """`/openapi.json` (OpenAPI 3.1 of the whole API, plus one path per saved query the caller may run) and `/docs`
 (Swagger UI from the `swagger-ui-py` package, served by qag itself under its own Content-Security-Policy).
 
-Request bodies are described from the field tuples the handlers validate with (qag/api/manage.py), so a field
+Request bodies are described from the field tuples the handlers validate with (qag/http/manage.py), so a field
 added to a handler and not here fails tests/unit/test_core_openapi.py.
 """
 from __future__ import annotations
@@ -158,7 +158,7 @@ def _rows_response() -> dict:
 
 
 def static_paths() -> dict:
-    from qag.api import manage as M
+    from qag.http import manage as M
     conn_body = body_schema(M.CONN_FIELDS, ("name", "db"))
     conn_patch = body_schema([f for f in M.CONN_FIELDS if f != "name"])
     query_body = body_schema(M.QUERY_FIELDS, ("name", "connection_name", "sql"))
@@ -300,7 +300,7 @@ def static_paths() -> dict:
 
 
 def _role_body(create: bool) -> dict:
-    from qag.api.roles import ROLE_FIELDS
+    from qag.http.roles import ROLE_FIELDS
     fields = ROLE_FIELDS if create else tuple(f for f in ROLE_FIELDS if f != "name")
     return body_schema(fields, ("name",) if create else ())
 
@@ -362,7 +362,7 @@ class OpenAPI:
         self.app = app
 
     def on_get(self, req, resp):
-        from qag.app import client_addr
+        from qag.http.app import client_addr
         principal = None
         secret, bearer = req.get_header("X-API-Key"), req.get_header("Authorization")
         if secret or bearer:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 
-from qag.api.manage import ok, require_admin
-from qag.app import client_addr
+from qag.http.manage import ok, require_admin
+from qag.http.app import client_addr
 from qag.errors import ApiError
 
 
@@ -91,13 +91,13 @@ class Usage:
 class Events:
     """Server-Sent Events of runs; a key sees its own, an administrator all. Capped per key and per instance
     (QAG_KEY_SUBSCRIBERS, QAG_MAX_SUBSCRIBERS: 503 too_many_streams); served off the request threads by the
-    worker's event hub (qag/eventhub.py)."""
+    worker's event hub (qag/server/eventhub.py)."""
 
     def __init__(self, app):
         self.app = app
 
     def on_get(self, req, resp):
-        from qag.eventhub import Feed, Subscription
+        from qag.server.eventhub import Feed, Subscription
         app = self.app
         secret = req.get_header("X-API-Key")
         p = app.runtime.authenticate(secret, client_addr(req))

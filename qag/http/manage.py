@@ -12,7 +12,7 @@ import time
 import falcon
 
 from qag import errors, params as P, plan as plan_mod, timeutil
-from qag.app import read_json, client_addr
+from qag.http.app import read_json, client_addr
 from qag.errors import ApiError
 from qag.store import Conflict, GRANT_FIELDS, public_connection, public_key
 
@@ -25,7 +25,7 @@ MASK_ACTIONS = ("hash", "mask", "null", "drop")
 
 def require_admin(app, req):
     # The Console calls this API in-process as its signed-in administrator, through a WSGI environ key that no
-    # request header can set (qag/console); everyone else authenticates with X-API-Key.
+    # request header can set (qag/http/console); everyone else authenticates with X-API-Key.
     p = req.env.get("qag.console_principal") or app.runtime.authenticate(req.get_header("X-API-Key"),
                                                                          client_addr(req))
     if not p.admin:

@@ -81,7 +81,7 @@ class QagGunicorn(BaseApplication):
         s("bind", [qcfg.bind])
         s("workers", self.nworkers)
         s("threads", qcfg.threads)
-        s("worker_class", "qag.gworker.QagWorker" if qcfg.http_worker == "qag" else "gthread")
+        s("worker_class", "qag.server.gworker.QagWorker" if qcfg.http_worker == "qag" else "gthread")
         s("proc_name", "qag")
         s("limit_request_line", 0)  # a 1 MB parameter gets our JSON 400, not gunicorn's HTML
         s("limit_request_field_size", 65536)
@@ -137,7 +137,7 @@ class QagGunicorn(BaseApplication):
             hooks.stop()
 
     def load(self):
-        from qag.worker import build_worker_app
+        from qag.server.worker import build_worker_app
         return build_worker_app(self.qcfg, slot=_WORKER_SLOT or 0, segment_name=self.segment_name,
                                 plane_slot=getattr(self.arbiter_hooks, "plane_slot", None))
 
@@ -200,7 +200,7 @@ def run(cfg, *, pin: bool = True, plane: bool = False, plane_threads: int | None
               "token): create one with `qag admins create NAME`", file=sys.stderr)
     plane_opts = None
     if plane:
-        from qag import arbiter as _arb
+        from qag.server import arbiter as _arb
         binary = _arb.plane_binary()
         if binary is None:
             print("qag: cannot start: --plane needs the qag-plane binary (cargo build --release in rustplane/, "
@@ -219,7 +219,7 @@ def run(cfg, *, pin: bool = True, plane: bool = False, plane_threads: int | None
     store.close()
     cpu_plan = plan_workers(cfg.workers)
     workers = len(cpu_plan)
-    from qag import arbiter
+    from qag.server import arbiter
     hooks = arbiter.ArbiterHooks(cfg, workers, plane_opts)
     try:
         segment_name = hooks.start()
@@ -232,7 +232,7 @@ def run(cfg, *, pin: bool = True, plane: bool = False, plane_threads: int | None
         if title.startswith("master"):
             set_title("qag: arbiter")
     gunicorn.util._setproctitle = _title
-    from qag import gworker
+    from qag.server import gworker
     gworker.QagWorker.qag = cfg  # read by each worker after fork
     _refuse_on_stop()
     app = QagGunicorn(cfg, pin=pin and cfg.pin, workers=workers, cpu_plan=cpu_plan, segment_name=segment_name)

@@ -1,1 +1,0 @@
-"""HTTP resources: the Management API, the runs routes and the operations routes."""
