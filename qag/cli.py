@@ -1,4 +1,4 @@
-"""The `qag` command: serve, demo, admins, migrate, config, shm stat."""
+"""The `qag` command: serve, demo, admins, migrate, config, export, apply, shm stat, mcp."""
 from __future__ import annotations
 
 import argparse
@@ -54,6 +54,16 @@ def cmd_admins(args) -> int:
         print(f"# administrator {args.name!r} created; use the line above as X-API-Key. It is shown once.",
               file=sys.stderr)
         return 0
+    if args.admins_cmd == "list":
+        rows = store.list_admins()
+        if args.json:
+            print(json.dumps(rows, indent=2))
+        else:
+            for r in rows:
+                print(f"{r['name']}\t{'active' if r['active'] else 'revoked'}\t{r['created_at']}")
+            if not rows:
+                print("# no named administrators: `qag admins create NAME` makes one", file=sys.stderr)
+        return 0
     if args.admins_cmd == "revoke":
         if not store.revoke_admin(args.name):
             print(f"qag: no administrator named {args.name!r}", file=sys.stderr)
@@ -91,8 +101,96 @@ def cmd_config(args) -> int:
         print(config.reference_markdown())
         return 0
     cfg = _cfg(args)
+    if args.json:
+        print(json.dumps(config_sources(cfg), indent=2, default=str))
+        return 0
     print(repr(cfg))
     return 0
+
+
+SECRET_SETTINGS = ("admin_key", "secret_key", "mask_key", "metrics_token", "jwt_secret")
+
+
+def config_sources(cfg, environ=None) -> dict:
+    """Every setting: its value in use (secrets shown as set or not), its variable and where it came from."""
+    import os
+    env = os.environ if environ is None else environ
+    out = {}
+    for s in config.SETTINGS:
+        value = getattr(cfg, s.name)
+        secret = s.name in SECRET_SETTINGS or "password" in s.name or "secret" in s.name or "token" in s.name
+        if secret:
+            value = "(set)" if value else ""
+        elif isinstance(value, tuple):
+            value = list(value)
+        elif isinstance(value, str) and "://" in value and "@" in value:
+            value = _hide_password(value)
+        out[s.name] = {"env": s.env, "value": value, "source": "environment" if s.env in env else "default"}
+    return out
+
+
+def _hide_password(url: str) -> str:
+    from urllib.parse import urlsplit, urlunsplit
+    u = urlsplit(url)
+    if u.password is None:
+        return url
+    netloc = f"{u.username}:***@{u.hostname}" + (f":{u.port}" if u.port else "")
+    return urlunsplit(u._replace(netloc=netloc))
+
+
+def _client(args):
+    from qag import manifest
+    cfg = _cfg(args)
+    key = args.key or cfg.admin_key
+    if not key:
+        print("qag: an administrator's key is needed: --key, or QAG_ADMIN_KEY", file=sys.stderr)
+        raise SystemExit(2)
+    url = args.url or ("http://" + cfg.bind if not cfg.bind.startswith("unix:") else None)
+    if not url:
+        print("qag: QAG_BIND is a unix socket: give the instance's --url", file=sys.stderr)
+        raise SystemExit(2)
+    return manifest.Client(url, key), url
+
+
+def cmd_export(args) -> int:
+    from qag import manifest
+    client, url = _client(args)
+    try:
+        text = manifest.dump(manifest.read_instance(client), url)
+    except (manifest.ApiFailure, OSError) as exc:
+        print(f"qag export: {exc}", file=sys.stderr)
+        return 1
+    if args.output and args.output != "-":
+        with open(args.output, "w") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def cmd_apply(args) -> int:
+    from qag import manifest
+    try:
+        with (sys.stdin if args.file == "-" else open(args.file)) as f:
+            text = f.read()
+    except OSError as exc:
+        print(f"qag apply: cannot read {args.file}: {exc.strerror}", file=sys.stderr)
+        return 2
+    try:
+        want = manifest.load(text)
+    except manifest.ManifestError as exc:
+        print(f"qag apply: {args.file}: {exc}; nothing changed", file=sys.stderr)
+        return 2
+    client, _ = _client(args)
+    try:
+        return manifest.apply(client, want, dry_run=args.dry_run, prune=args.prune,
+                              update_secrets=args.update_secrets)
+    except manifest.ManifestError as exc:
+        print(f"qag apply: {args.file}: {exc}; nothing changed", file=sys.stderr)
+        return 2
+    except (manifest.ApiFailure, OSError) as exc:
+        print(f"qag apply: {exc}; nothing changed", file=sys.stderr)
+        return 1
 
 
 def cmd_shm(args) -> int:
@@ -132,6 +230,8 @@ def main(argv=None) -> int:
     asub = a.add_subparsers(dest="admins_cmd", required=True)
     ac = asub.add_parser("create")
     ac.add_argument("name")
+    al = asub.add_parser("list")
+    al.add_argument("--json", action="store_true")
     ar = asub.add_parser("revoke")
     ar.add_argument("name")
     a.set_defaults(fn=cmd_admins)
@@ -139,7 +239,22 @@ def main(argv=None) -> int:
     m.set_defaults(fn=cmd_migrate)
     c = sub.add_parser("config", help="show the settings in use")
     c.add_argument("--reference", action="store_true", help="print the settings reference (Markdown)")
+    c.add_argument("--json", action="store_true", help="every setting with its value and source (environment or default)")
     c.set_defaults(fn=cmd_config)
+    for name, fn, hlp in (("export", cmd_export, "write the instance's connections, queries, roles and keys as YAML"),
+                          ("apply", cmd_apply, "make the instance match a YAML manifest (prints the diff)")):
+        e = sub.add_parser(name, help=hlp)
+        e.add_argument("--url", help="the instance (default http://QAG_BIND)")
+        e.add_argument("--key", help="an administrator's key (default QAG_ADMIN_KEY)")
+        if name == "export":
+            e.add_argument("-o", "--output", help="file to write (default standard output)")
+        else:
+            e.add_argument("-f", "--file", required=True, help="the manifest (- for standard input)")
+            e.add_argument("--dry-run", action="store_true", help="print the diff and check it; change nothing")
+            e.add_argument("--prune", action="store_true", help="delete what the instance has and the file lacks")
+            e.add_argument("--update-secrets", action="store_true",
+                           help="send connections' passwords to existing connections too")
+        e.set_defaults(fn=fn)
     sh = sub.add_parser("shm", help="the shared segment")
     shsub = sh.add_subparsers(dest="shm_cmd", required=True)
     st = shsub.add_parser("stat")

@@ -671,6 +671,13 @@ class Store:
             return r[0] if r else None
         return self.run(q)
 
+    def list_admins(self) -> list[dict]:
+        """Named administrators, oldest first: name, active, created_at (never the token)."""
+        def q(cur):
+            cur.execute("SELECT name, active, created_at FROM qag_admins ORDER BY created_at, name")
+            return [{"name": r[0], "active": bool(r[1]), "created_at": r[2]} for r in cur.fetchall()]
+        return self.run(q)
+
     def revoke_admin(self, name: str) -> bool:
         def q(cur):
             cur.execute("UPDATE qag_admins SET active = 0 WHERE name = ?", (name,))
