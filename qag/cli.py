@@ -157,7 +157,7 @@ def cmd_export(args) -> int:
     client, url = _client(args)
     try:
         text = manifest.dump(manifest.read_instance(client), url)
-    except (manifest.ApiFailure, OSError) as exc:
+    except (manifest.ApiFailure, manifest.ManifestError, OSError) as exc:
         print(f"qag export: {exc}", file=sys.stderr)
         return 1
     if args.output and args.output != "-":

@@ -147,8 +147,16 @@ def read_instance(client: Client) -> dict:
     return m
 
 
+def _yaml():
+    try:
+        import yaml
+    except ImportError:
+        raise ManifestError("manifests need PyYAML: pip install 'qag[formats]'") from None
+    return yaml
+
+
 def dump(manifest: dict, source: str = "") -> str:
-    import yaml
+    yaml = _yaml()
 
     head = "# qag manifest" + (f" of {source}" if source else "") + (
         "\n# passwords are references: set each ${...} in the environment of `qag apply`\n")
@@ -158,7 +166,7 @@ def dump(manifest: dict, source: str = "") -> str:
 # -- reading a manifest ---------------------------------------------------------------------------
 def load(text: str, environ: dict | None = None) -> dict:
     """Parse and check a manifest whole; secrets resolved. Raises ManifestError naming the place."""
-    import yaml
+    yaml = _yaml()
 
     env = os.environ if environ is None else environ
     try:
