@@ -266,7 +266,9 @@ class Env:
 
     def get(self, path, key, params=None):
         qs = urllib.parse.urlencode(params or {})
-        return self.http.get(self.srv.base + path + ("?" + qs if qs else ""), headers={"X-API-Key": key})
+        # a signed-in caller's "key" is its token (signed_in_env): the same grants, through a role
+        auth = {"Authorization": "Bearer " + key} if key.count(".") == 2 else {"X-API-Key": key}
+        return self.http.get(self.srv.base + path + ("?" + qs if qs else ""), headers=auth)
 
     def probe(self, dialect) -> dict:
         r = self.get("/q/fz_probe_" + dialect, self.admin["X-API-Key"])
@@ -289,7 +291,7 @@ def dbs():
     pg_exec(PG_ADMIN_DSN, f'DROP DATABASE IF EXISTS "{PG_DB}"')
 
 
-def make_env(srv, sqlite_path, label) -> Env:
+def make_env(srv, sqlite_path, label, signed_in=False) -> Env:
     e = Env(srv, sqlite_path)
     e.label = label
     e.post("/api/v1/connections", {"name": "pgfz", "db": "postgres", "host": "127.0.0.1", "port": 5432,
@@ -300,14 +302,18 @@ def make_env(srv, sqlite_path, label) -> Env:
                                    "options": {"allow_superuser": True}})
     e.post("/api/v1/connections", {"name": "slfz", "db": "sqlite", "database": sqlite_path})
     conns = list(e.conn_name.values())
-    e.keys = {
-        "gov": e.post("/api/v1/api-keys", {"name": "fz-gov", "connections": conns, "allowed_tables": ALLOWED,
-                                           "mask": MASK_RULES}).json()["secret"],
-        "masks": e.post("/api/v1/api-keys", {"name": "fz-masks", "connections": conns,
-                                             "mask": MASK_RULES}).json()["secret"],
-        "tables": e.post("/api/v1/api-keys", {"name": "fz-tables", "connections": conns,
-                                              "allowed_tables": ALLOWED}).json()["secret"],
-    }
+    grants = {"gov": {"connections": conns, "allowed_tables": ALLOWED, "mask": MASK_RULES},
+              "masks": {"connections": conns, "mask": MASK_RULES},
+              "tables": {"connections": conns, "allowed_tables": ALLOWED}}
+    if signed_in:  # the same grants as roles, called with a signed token naming the role (issue 18)
+        import jwt
+        e.keys = {}
+        for k, g in grants.items():
+            e.post("/api/v1/roles", {"name": "fz-" + k, **g})
+            e.keys[k] = jwt.encode({"sub": "fz-" + k, "role": "fz-" + k, "exp": int(time.time()) + 6 * 3600},
+                                   JWT_SECRET, algorithm="HS256")
+    else:
+        e.keys = {k: e.post("/api/v1/api-keys", {"name": "fz-" + k, **g}).json()["secret"] for k, g in grants.items()}
     for d, c in e.conn_name.items():
         e.post("/api/v1/queries", {"name": "fz_probe_" + d, "connection_name": c, "sql": PROBES[d],
                                    "publish": True})
@@ -328,6 +334,21 @@ def env(dbs):
     srv = start_server({"QAG_MASK_KEY": MASK_KEY, "QAG_ALLOW_WRITES": "0"}, args=("--workers", "1"))
     e = make_env(srv, dbs, "py")
     assert e.probe_delta is not None, "one worker, LIFO pool: the probe must get the same MariaDB session"
+    yield e
+    e.http.close()
+    srv.stop()
+
+
+JWT_SECRET = "fz-signed-in-" + "s" * 32
+
+
+@pytest.fixture(scope="module")
+def signed_in_env(dbs):
+    """The same server shape, called by signed-in users (HS256 tokens whose role carries the keys' grants): a
+    signed-in caller's allow-lists and masks hold on every case a key's do (issue 18)."""
+    srv = start_server({"QAG_MASK_KEY": MASK_KEY, "QAG_ALLOW_WRITES": "0", "QAG_JWT_SECRET": JWT_SECRET},
+                       args=("--workers", "1"))
+    e = make_env(srv, dbs, "jw", signed_in=True)
     yield e
     e.http.close()
     srv.stop()
@@ -1213,6 +1234,11 @@ def test_class_case(env, cc):
 
 
 @pytest.mark.parametrize("cc", CLASS_PARAMS)
+def test_class_case_signed_in(signed_in_env, cc):
+    check_class_case(signed_in_env, cc)
+
+
+@pytest.mark.parametrize("cc", CLASS_PARAMS)
 def test_class_case_through_the_plane(plane_env, cc):
     check_class_case(plane_env, cc)
 
@@ -1244,3 +1270,18 @@ def check_class_case(env, cc):
     got = seen["calls"]["json"] if "calls" in seen else seen["save"]
     assert any(got[0] == s and (c is None or got[1] == c) for s, c in cc["expect"]), \
         f"expected {cc['expect']}, got {got} (every format: {seen.get('calls')})"
+
+
+def test_the_signed_in_cases_ran_as_signed_in_callers(signed_in_env):
+    """The signed-in run above means something only if its calls were served to the tokens' users, not
+    refused at the door: the run history names them, and some of them were answered 200."""
+    r = signed_in_env.http.get(signed_in_env.srv.base + "/api/v1/history", headers=signed_in_env.admin,
+                               params={"limit": "1000"})
+    assert r.status_code == 200, r.text
+    runs = [x for x in r.json()["items"] if x.get("key_name") not in (None, "", "admin")]
+    by_status = {}
+    for x in runs:
+        by_status.setdefault(x["status"], set()).add(x["key_name"])
+    assert by_status.get(200), by_status
+    assert all("fz-" in name for name in by_status[200]), by_status
+    assert 401 not in by_status, by_status
