@@ -92,8 +92,8 @@ def plane_binary() -> str | None:
     found = shutil.which("qag-plane")
     if found:
         return found
-    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "rustplane", "target",
-                        "release", "qag-plane")
+    checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # qag/server/ -> ..
+    here = os.path.join(checkout, "rustplane", "target", "release", "qag-plane")
     return here if os.path.exists(here) else None
 
 
