@@ -15,18 +15,15 @@ import sys
 import threading
 import time
 
+from qag.server.changes import watcher_current, watcher_slot
+
 log = logging.getLogger("qag.arbiter")
 
 # Slots: workers take 0..N-1; the recorder and the data plane take fixed slots at the top.
 RECORDER_SLOT_FROM_TOP = 1
 PLANE_SLOT_FROM_TOP = 2
-WATCHER_SLOT_FROM_TOP = 3
+# (the change watcher's slot is declared with the watcher: qag/server/changes.py watcher_slot)
 PLANE_CHILD = "the data plane"
-
-
-def watcher_slot(slots: int) -> int:
-    """The change watcher's slot (qag/server/changes.py; shm/LAYOUT.md [Slot metadata] W1)."""
-    return slots - WATCHER_SLOT_FROM_TOP
 
 
 def instance_name(cfg) -> str:
@@ -296,7 +293,6 @@ class ArbiterHooks:
         return Child(PLANE_CHILD, cmd, env)
 
     def _supervise(self) -> None:
-        from qag.server.changes import watcher_current
         watcher = self.children[1]
         while not self._stop.wait(0.2):
             for c in self.children:

@@ -31,6 +31,7 @@ STALE_S = 3.0    # a heartbeat older than this: the watcher is not caught up (hu
                  # six periods, so a loaded machine's late beat does not send the workers to the store
 ROLE = "other"   # the watcher's slot role (shm/LAYOUT.md [Slot metadata] W1)
 BATCH = 10_000
+WATCHER_SLOT_FROM_TOP = 3  # below the recorder's and the data plane's slots (qag/server/arbiter.py)
 
 
 def kind_of(entity: str, name: str) -> tuple[str, str]:
@@ -39,6 +40,11 @@ def kind_of(entity: str, name: str) -> tuple[str, str]:
     if entity == "role":
         return "key", "role:" + name   # a role's callers hold key-kind plans named role:<name> (qag/identity.py)
     return KIND.get(entity, entity), name
+
+
+def watcher_slot(slots: int) -> int:
+    """The change watcher's slot (shm/LAYOUT.md [Slot metadata] W1)."""
+    return slots - WATCHER_SLOT_FROM_TOP
 
 
 def watcher_current(seg, slot: int, now_ns: int | None = None, stale_s: float = STALE_S) -> bool:
@@ -196,7 +202,6 @@ def main(argv=None) -> int:
         pass
     logging.basicConfig(level="INFO", format="%(asctime)s qag: changes %(levelname)s %(message)s")
     import shm
-    from qag.server.arbiter import watcher_slot
     cfg = config.load()
     seg = shm.Segment.attach(args.segment)
     stop = threading.Event()
