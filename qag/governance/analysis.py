@@ -16,6 +16,7 @@ from sqlglot.errors import SqlglotError
 
 from . import lexers, pgparse
 from .errors import GovernanceError
+from .tables import ASCII_LOWER, default_schema_for, resolve
 
 # sqlglot logs a warning whenever it falls back to exp.Command; we handle that case ourselves.
 logging.getLogger("sqlglot").setLevel(logging.ERROR)
@@ -166,9 +167,6 @@ def canonical_dialect(dialect: str) -> str:
     except (KeyError, AttributeError):
         raise GovernanceError(400, "invalid_sql", f"unknown SQL dialect {dialect!r}; "
                               "use postgres, mysql, sqlite or clickhouse") from None
-
-
-ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
 
 
 def normalize_identifier(ident, dialect: str) -> str:
@@ -375,8 +373,6 @@ def called_functions(sql: str, dialect: str, columns_of=None, default_schema=Non
     base = _called_cached(sql, dialect)
     if dialect != "postgres":
         return base
-    from .tables import default_schema_for, resolve
-
     reading = analyze(sql, dialect).reading
     schema = default_schema_for(dialect, default_schema)
     if columns_of is None:

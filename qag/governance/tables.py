@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import re
 
-from .analysis import ASCII_LOWER
+# PostgreSQL folds unquoted names to lower case, ASCII letters only (analysis.normalize_identifier too)
+ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
 
 _PART = re.compile(r'"((?:[^"]|"")*)"|`((?:[^`]|``)*)`|\[([^\]]*)\]|([^."`\[]+)')
 
