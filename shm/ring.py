@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import time
 import zlib
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from . import layout as L
 from .fence import fence
-
-if TYPE_CHECKING:
-    from .segment import Segment
 
 _MASK32 = 0xFFFFFFFF
 _PAD_WORD = L.PAD_LENGTH  # crc 0
@@ -24,12 +21,22 @@ class RingError(RuntimeError):
     """A position outside [tail, head] or a record that fails its checksum (a layout violation)."""
 
 
+class SegmentView(Protocol):
+    """What a ring reads of the segment it lives in: shm/segment.py's Segment, which makes the rings (so the
+    ring does not import it back)."""
+
+    slots: int
+    geometry: L.Geometry
+    _mm: Any
+    _q: memoryview
+
+
 class Ring:
     """A view of ring `slot`; cheap to make, holds no state of its own beyond offsets."""
 
     __slots__ = ("_base", "_cap", "_data", "_head_i", "_mask", "_max_record", "_mm", "_q", "_tail_i", "slot")
 
-    def __init__(self, seg: Segment, slot: int) -> None:
+    def __init__(self, seg: SegmentView, slot: int) -> None:
         if not 0 <= slot < seg.slots:
             raise IndexError(f"ring slot {slot} out of range 0..{seg.slots - 1}")
         g = seg.geometry
