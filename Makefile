@@ -2,7 +2,10 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: test venv lint vectors bench-smoke docs oha browser promtool
+# Where `cargo install` puts oha: $CARGO_HOME/bin (CI may point CARGO_HOME at an empty registry), else ~/.cargo/bin.
+CARGO_BIN := $(or $(CARGO_HOME),$(HOME)/.cargo)/bin
+
+.PHONY: test venv lint vectors bench-smoke docs oha browser promtool plane
 
 venv:
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -11,10 +14,20 @@ venv:
 
 OHA_VERSION := 1.16.0
 
-test: venv browser promtool
+# Everything slow to build comes first, once, with its progress shown (plane, oha): no build runs under a test's
+# timeout. Then pytest, the plane's own tests and the benchmark smoke.
+test: venv browser promtool plane oha
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests/ -q -p no:cacheprovider
-	if [ -f rustplane/Cargo.toml ] && command -v cargo >/dev/null; then cd rustplane && cargo test --release -q; fi
+	cd rustplane && cargo test --release --locked -q
 	$(MAKE) bench-smoke
+
+# The Rust data plane (rustplane/target/release/qag-plane). The plane's e2e tests run this build and never make
+# one (a cold release build is longer than pytest's 300 s timeout on a 2-core machine); without it they fail
+# saying `make plane`. Cargo prints each crate as it compiles.
+plane:
+	@command -v cargo >/dev/null || { echo "cargo not found: install Rust (rustup) to build the data plane" >&2; exit 1; }
+	@echo "building the data plane: cd rustplane && cargo build --release"
+	cd rustplane && cargo build --release --locked
 
 # The Console's browser tests drive Debian's Chromium through its chromedriver (nothing downloads a browser).
 browser:
@@ -34,10 +47,13 @@ promtool:
 # The benchmark harness's smoke run: every block for a few seconds against the peer, qag, the plane and the
 # floors; it checks completion and zero non-2xx, never speed. oha is the load generator (crates.io).
 oha:
-	command -v oha >/dev/null || test -x $(HOME)/.cargo/bin/oha || cargo install oha --locked --version $(OHA_VERSION)
+	@command -v oha >/dev/null || test -x $(CARGO_BIN)/oha || { echo "building oha $(OHA_VERSION) (the bench's load generator)"; \
+	  cargo install oha --locked --version $(OHA_VERSION); }
 
+# ruff's version and rules are pinned (setup.cfg's dev extra, pyproject.toml's [tool.ruff]); clippy's in Cargo.toml.
 lint: venv
-	$(VENV)/bin/ruff check qag shm tests
+	$(VENV)/bin/ruff check qag shm tests bench
+	cd rustplane && cargo clippy --release --locked --all-targets -- -D warnings
 
 vectors: venv
 	$(PY) -m shm.vectors
@@ -46,5 +62,5 @@ docs: venv
 	$(PY) -m qag.config
 
 bench-smoke: venv oha
-	PATH="$(CURDIR)/$(VENV)/bin:$(HOME)/.cargo/bin:$$PATH" $(PY) bench/oltp.py --smoke
-	PATH="$(CURDIR)/$(VENV)/bin:$(HOME)/.cargo/bin:$$PATH" $(PY) bench/tpcc_mysql.py --smoke
+	PATH="$(CURDIR)/$(VENV)/bin:$(CARGO_BIN):$$PATH" $(PY) bench/oltp.py --smoke
+	PATH="$(CURDIR)/$(VENV)/bin:$(CARGO_BIN):$$PATH" $(PY) bench/tpcc_mysql.py --smoke
