@@ -16,6 +16,24 @@ MYSQL = dict(host="127.0.0.1", port=3306, user="root", password="")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def need_plane() -> str:
+    """The data plane binary `qag serve --plane` will run (QAG_PLANE_BIN, `qag-plane` on PATH, else
+    rustplane/target/release/qag-plane). Tests never build it: a cold `cargo build --release` takes longer than
+    pytest's 300 s timeout on a 2-core machine, so `make plane` builds it once before pytest (`make test` does)."""
+    from qag.server.arbiter import plane_binary
+    binary = plane_binary()
+    if binary is None or not os.path.exists(binary):
+        pytest.fail("qag-plane is not built: run `make plane` (cd rustplane && cargo build --release) before "
+                    "pytest, or set QAG_PLANE_BIN", pytrace=False)
+    return binary
+
+
+@pytest.fixture(scope="session")
+def plane() -> str:
+    """need_plane() as a fixture, for a module whose every test goes through the plane."""
+    return need_plane()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -11,10 +11,9 @@ import sys
 import threading
 import time
 
-import pytest
 import requests
 
-from tests.conftest import ROOT, pg_fresh_db, start_server
+from tests.conftest import ROOT, need_plane, pg_fresh_db, start_server
 
 J = {"Content-Type": "application/json"}
 PGB = "qag_core_pgbench"
@@ -382,9 +381,7 @@ def test_concurrent_burst_counted_and_recorded_exactly(pgbench_dsn):
 
 
 def test_allowed_ips_hold_for_calls_the_plane_forwards(pgbench_dsn):
-    from qag.server.arbiter import plane_binary
-    if plane_binary() is None:
-        pytest.skip("qag-plane is not built (the plane's e2e tests build it)")
+    need_plane()
     srv = start_server(args=("--workers", "1", "--plane"))
     try:
         local = setup(srv, {"allowed_ips": ["127.0.0.0/8"]})

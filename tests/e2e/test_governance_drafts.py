@@ -4,27 +4,19 @@ published one. A scoped key asking for a draft, a retired version or one that do
 alone, never serves a draft either: Python publishes only the published version's plan."""
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 import time
 
 import pytest
 import requests
 
-from tests.conftest import ROOT, pg_exec, pg_fresh_db, start_server
+from tests.conftest import need_plane, pg_exec, pg_fresh_db, start_server
 
-PLANE_DIR = os.path.join(ROOT, "rustplane")
-PLANE_BIN = os.path.join(PLANE_DIR, "target", "release", "qag-plane")
 DB = "qag_govpolicy_drafts"
 
 
 @pytest.fixture(scope="module")
 def stack():
-    if not os.path.exists(PLANE_BIN):
-        if shutil.which("cargo") is None:
-            pytest.skip("no cargo to build rustplane")
-        subprocess.run(["cargo", "build", "--release", "-q"], cwd=PLANE_DIR, check=True, timeout=1200)
+    need_plane()
     dsn = pg_fresh_db(DB)
     pg_exec(dsn, "CREATE TABLE customers (id int PRIMARY KEY, name text, email text)")
     pg_exec(dsn, "INSERT INTO customers VALUES (1, 'Ada', 'ada@example.com'), (2, 'Bob', 'bob@example.org')")

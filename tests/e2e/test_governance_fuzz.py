@@ -62,7 +62,7 @@ import requests
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
-from tests.conftest import MYSQL, PG_ADMIN_DSN, ROOT, mysql_exec, pg_exec, pg_fresh_db, start_server
+from tests.conftest import MYSQL, PG_ADMIN_DSN, ROOT, mysql_exec, need_plane, pg_exec, pg_fresh_db, start_server
 
 SEED = int(os.environ.get("QAG_FUZZ_SEED", "20261201"))
 EXAMPLES = int(os.environ.get("QAG_FUZZ_EXAMPLES", "0") or 0)
@@ -354,15 +354,11 @@ def signed_in_env(dbs):
     srv.stop()
 
 
-PLANE_BIN = os.path.join(ROOT, "rustplane", "target", "release", "qag-plane")
-
-
 @pytest.fixture(scope="module")
 def plane_env(dbs):
     """The same, with the Rust data plane in front (it serves what it can from Python's plans and forwards the
     rest): the plane must refuse what Python refused and mask as Python does."""
-    if not os.path.exists(PLANE_BIN):
-        pytest.skip("the plane is not built (cd rustplane && cargo build --release)")
+    need_plane()
     srv = start_server({"QAG_MASK_KEY": MASK_KEY, "QAG_ALLOW_WRITES": "0", "QAG_WORKERS": "1"},
                        args=("--workers", "1", "--plane", "--plane-threads", "1"))
     e = make_env(srv, dbs, "pl")

@@ -14,7 +14,7 @@ import time
 import pytest
 import requests
 
-from tests.conftest import pg_exec, pg_fresh_db, start_server
+from tests.conftest import need_plane, pg_exec, pg_fresh_db, start_server
 
 J = {"Content-Type": "application/json"}
 DATA = "qag_ops_data"  # a data database of this file's own (other sessions drop and re-create the shared ones)
@@ -100,9 +100,7 @@ def data_db():
 def hosts(request, data_db):
     args = ("--workers", "1")
     if request.param == "plane":
-        from qag.server.arbiter import plane_binary
-        if plane_binary() is None:
-            pytest.skip("qag-plane is not built")
+        need_plane()
         args = ("--workers", "1", "--plane", "--plane-threads", "1")
     store_dsn = pg_fresh_db(f"qag_ops_revoke_{request.param}")
     env = {"QAG_DATABASE_URL": store_dsn, "QAG_ADMIN_KEY": "shared-admin"}

@@ -9,19 +9,15 @@ from __future__ import annotations
 import http.client
 import os
 import random
-import shutil
 import socket
-import subprocess
 import threading
 import time
 import urllib.parse
 
 import pytest
 
-from tests.conftest import ROOT, pg_exec, pg_fresh_db
+from tests.conftest import need_plane, pg_exec, pg_fresh_db
 
-PLANE_DIR = os.path.join(ROOT, "rustplane")
-PLANE_BIN = os.path.join(PLANE_DIR, "target", "release", "qag-plane")
 IGNORED_HEADERS = {"date", "server", "server-timing", "connection", "transfer-encoding", "keep-alive"}
 
 SCHEMA = """
@@ -79,10 +75,7 @@ def _call(conn, path: str, headers: dict):
 
 @pytest.fixture(scope="module")
 def plane_stack():
-    if not os.path.exists(PLANE_BIN):
-        if shutil.which("cargo") is None:
-            pytest.skip("no cargo to build rustplane")
-        subprocess.run(["cargo", "build", "--release", "-q"], cwd=PLANE_DIR, check=True, timeout=1200)
+    need_plane()
     from tests.conftest import start_server
     dsn = pg_fresh_db("qag_plane_e2e")
     for stmt in SCHEMA.split(";\n"):

@@ -24,15 +24,14 @@ import time
 import pytest
 import requests
 
-from tests.conftest import ROOT, start_server
+from tests.conftest import start_server
 
-PLANE_BIN = os.path.join(ROOT, "rustplane", "target", "release", "qag-plane")
 LIMIT = 2.0  # QAG_QUERY_TIMEOUT of these instances; QAG_CONNECT_TIMEOUT is above it, so that a call that has to
 # open a session to a frozen database meets the plane's deadline (504) before its connect timeout (forwarded)
 MARGIN = 1.0  # rustplane/src/limits.rs DEADLINE_MARGIN
 SLACK = 0.75  # the machine: two cores shared with the test, the server and the database
 
-pytestmark = pytest.mark.skipif(not os.path.exists(PLANE_BIN), reason="qag-plane is not built (cargo build --release)")
+pytestmark = pytest.mark.usefixtures("plane")  # built by `make plane`, never under a test timeout
 
 
 def _timeout_body(rid: str, seconds: float) -> bytes:

@@ -16,11 +16,10 @@ import time
 import pytest
 import requests
 
-from tests.conftest import ROOT, pg_exec, pg_fresh_db, start_server
+from tests.conftest import pg_exec, pg_fresh_db, start_server
 from tests.e2e.test_plane_differential import UnixConn, _call
 
-PLANE_BIN = os.path.join(ROOT, "rustplane", "target", "release", "qag-plane")
-pytestmark = pytest.mark.skipif(not os.path.exists(PLANE_BIN), reason="qag-plane is not built (cargo build --release)")
+pytestmark = pytest.mark.usefixtures("plane")  # built by `make plane`, never under a test timeout
 
 
 @pytest.fixture(scope="module")

@@ -7,17 +7,14 @@ the run records equal, and the plane must have served most of them itself (not f
 from __future__ import annotations
 
 import http.client
-import os
 import random
-import shutil
-import subprocess
 import time
 import urllib.parse
 
 import pytest
 
-from tests.conftest import mysql_exec
-from tests.e2e.test_plane_differential import PLANE_BIN, PLANE_DIR, UnixConn, _call, _history
+from tests.conftest import mysql_exec, need_plane
+from tests.e2e.test_plane_differential import UnixConn, _call, _history
 
 DB = "qag_plane_test_e2e"
 
@@ -77,10 +74,7 @@ QUERIES = {
 
 @pytest.fixture(scope="module")
 def mysql_stack():
-    if not os.path.exists(PLANE_BIN):
-        if shutil.which("cargo") is None:
-            pytest.skip("no cargo to build rustplane")
-        subprocess.run(["cargo", "build", "--release", "-q"], cwd=PLANE_DIR, check=True, timeout=1200)
+    need_plane()
     from tests.conftest import start_server
     try:
         mysql_exec("SELECT 1")
