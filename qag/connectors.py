@@ -71,7 +71,7 @@ import time
 from typing import Iterator
 
 from qag import formats
-from qag.errors import ApiError, DatabaseError
+from qag.errors import ConnectorError, DriverMissing, QueryFailed, Timeout, Unreachable
 
 try:
     import psycopg2
@@ -95,29 +95,9 @@ DEADLINE_MARGIN = 1.0    # S4: seconds past a call's limit before its socket is 
 KEEPALIVE = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3,
              "tcp_user_timeout": 10000}  # S1 (PostgreSQL libpq names; the same values on MySQL sockets)
 
-SCOPED_UNREACHABLE = "Could not reach the database of connection '{}'; check that it is running and reachable, " \
-                     "then retry."
-
-
-class QueryFailed(Exception):
-    """The database rejected the statement; `db_text` is shown to administrators only."""
-
-    def __init__(self, db_text: str):
-        super().__init__(db_text)
-        self.db_text = db_text
-
-
-def connection_failed(name: str, db_text: str = "") -> DatabaseError:
-    """502 with a sentence fixed by the connection's name (S7); what went wrong is `db_text`, for administrators."""
-    return DatabaseError(502, "connection_failed", SCOPED_UNREACHABLE.format(name), db_text=db_text)
-
-
-def query_timeout(seconds: float) -> ApiError:
-    return ApiError(504, "query_timeout",
-                    f"The statement ran longer than its time limit of {seconds:g} s and was cancelled.",
-                    {"timeout": seconds})
-
-
+# S7's errors are domain errors (qag/errors.py), answered by qag/http/errors.py: QueryFailed (the database
+# rejected the statement), Unreachable (connection_failed: a sentence fixed by the connection's name; what went
+# wrong is `db_text`, for administrators), Timeout (query_timeout), DriverMissing.
 def limit_ms(asked: float | None, server: float) -> int:
     """S3: a call's limit in whole milliseconds: the server's when none is asked, never below 10 ms, never above
     the server's, rounded up (a limit of 0 means none to PostgreSQL and MariaDB)."""
@@ -426,21 +406,21 @@ class Connector:
                 return out
             except _Stale as st:
                 if sess.fired:
-                    raise query_timeout(limit) from None
+                    raise Timeout(limit) from None
                 self.stale_dropped += 1
                 self._drop_idle_before(st.at)
                 if attempt == 0 and reused and not write:
                     continue
-                raise connection_failed(self.name, st.text) from None
+                raise Unreachable(self.name, st.text) from None
             except QueryFailed:
                 ok = not sess.fired and self._reset(sess, state_free)
                 raise
-            except ApiError as err:
-                ok = err.code == "query_timeout" and not sess.fired and self._reset(sess, state_free)
+            except (Timeout, Unreachable, DriverMissing) as err:
+                ok = isinstance(err, Timeout) and not sess.fired and self._reset(sess, state_free)
                 raise
             finally:
                 self.release(sess, write, broken=not ok)
-        raise connection_failed(self.name)  # pragma: no cover (the loop returns or raises)
+        raise Unreachable(self.name)  # pragma: no cover (the loop returns or raises)
 
     def stream(self, sql: str, args: tuple, *, timeout: float | None, batch: int = 500, state_free: bool = False
                ) -> tuple[list[str], Iterator[list[tuple]]]:
@@ -486,7 +466,7 @@ class PostgresConnector(Connector):
 
     def _open(self, write: bool) -> _Session:
         if psycopg2 is None:
-            raise ApiError(500, "driver_missing", "psycopg2 is not installed: pip install 'qag[postgres]'")
+            raise DriverMissing("psycopg2 is not installed: pip install 'qag[postgres]'")
         opts = self.row.get("options") or {}
         pg_opts = [f"-c statement_timeout={limit_ms(None, self.timeout)}"]
         if not write:
@@ -505,7 +485,7 @@ class PostgresConnector(Connector):
         try:
             conn = psycopg2.connect(**{k: v for k, v in kw.items() if v is not None})
         except psycopg2.OperationalError as exc:
-            raise connection_failed(self.name, _first_line(exc, self.password)) from None
+            raise Unreachable(self.name, _first_line(exc, self.password)) from None
         conn.autocommit = not write  # a read is one message and one answer (S2); a write is its own transaction
         sess = _Session(conn, write, socket.socket(fileno=os.dup(conn.fileno())), own_sock=True)
         sess.auth = conn.get_parameter_status("session_authorization")
@@ -548,7 +528,7 @@ class PostgresConnector(Connector):
             raise _Stale(_first_line(exc, self.password)) from None
         _rollback(conn)
         if isinstance(exc, psycopg2.errors.QueryCanceled):
-            raise query_timeout(limit) from None
+            raise Timeout(limit) from None
         raise QueryFailed(_first_line(exc, self.password)) from None
 
     def _reset(self, sess, clean):
@@ -599,8 +579,8 @@ class PostgresConnector(Connector):
                 try:
                     self._translate(sess, exc, limit)
                 except _Stale as st:
-                    err = query_timeout(limit) if sess.fired else connection_failed(self.name, st.text)
-                except (QueryFailed, ApiError) as e:
+                    err = Timeout(limit) if sess.fired else Unreachable(self.name, st.text)
+                except ConnectorError as e:
                     err = e
                     broken = not self._stream_done(sess, state_free)
             self.release(sess, False, broken=broken)
@@ -701,7 +681,7 @@ class MySQLConnector(Connector):
 
     def _open(self, write: bool) -> _Session:
         if mysql_connector is None:
-            raise ApiError(500, "driver_missing", "mysql-connector-python is not installed: pip install 'qag[mysql]'")
+            raise DriverMissing("mysql-connector-python is not installed: pip install 'qag[mysql]'")
         try:
             conn = mysql_connector.connect(
                 host=self.row.get("host") or "127.0.0.1", port=int(self.row.get("port") or 3306),
@@ -725,7 +705,7 @@ class MySQLConnector(Connector):
                 sess.auth = (f"SET NAMES 'utf8mb4' COLLATE '{collation}', autocommit = {0 if write else 1}, "
                              f"sql_mode = %s, {self._session_vars(write)}", conn._sql_mode)
         except mysql_errors.Error as exc:
-            raise connection_failed(self.name, _first_line(exc, self.password)) from None
+            raise Unreachable(self.name, _first_line(exc, self.password)) from None
         return sess
 
     def _run(self, sess, sql, args, *, write, limit, max_rows):
@@ -779,7 +759,7 @@ class MySQLConnector(Connector):
                 or errno is None and isinstance(exc, (mysql_errors.InterfaceError, mysql_errors.OperationalError)):
             raise _Stale(_first_line(exc, self.password)) from None
         if errno in _MY_TIMEOUT:
-            raise query_timeout(limit) from None
+            raise Timeout(limit) from None
         try:
             if sess.conn.in_transaction:
                 sess.conn.rollback()
@@ -830,7 +810,7 @@ class MySQLConnector(Connector):
                 try:
                     self._translate(sess, exc, limit)
                 except _Stale as st:
-                    raise (query_timeout(limit) if sess.fired else connection_failed(self.name, st.text)) from None
+                    raise (Timeout(limit) if sess.fired else Unreachable(self.name, st.text)) from None
             raise
 
         def gen():
@@ -875,7 +855,7 @@ class MySQLConnector(Connector):
         try:
             _, rows, _ = self.run("SELECT name FROM mysql.func", (), write=False, timeout=None, max_rows=None)
             out |= {("", n) for (n,) in rows}
-        except (QueryFailed, ApiError):
+        except ConnectorError:
             pass
         return out
 
@@ -904,13 +884,13 @@ class SQLiteConnector(Connector):
     def _open(self, write: bool) -> _Session:
         path = self._path()
         if not path or not os.path.exists(path):
-            raise connection_failed(self.name, "the database file does not exist")
+            raise Unreachable(self.name, "the database file does not exist")
         mode = "rw" if write else "ro"
         try:
             conn = sqlite3.connect(f"file:{path}?mode={mode}", uri=True, check_same_thread=False,
                                    isolation_level=None, timeout=self.connect_timeout)
         except sqlite3.Error as exc:
-            raise connection_failed(self.name, str(exc)) from None
+            raise Unreachable(self.name, str(exc)) from None
         return _Session(conn, write)
 
     def _run(self, sess, sql, args, *, write, limit, max_rows):
@@ -935,7 +915,7 @@ class SQLiteConnector(Connector):
             if write:
                 _sqlite_rollback(cur)
             if "interrupted" in str(exc):
-                raise query_timeout(limit) from None
+                raise Timeout(limit) from None
             raise QueryFailed(str(exc)) from None
         except sqlite3.Error as exc:
             if write:
@@ -960,7 +940,7 @@ class SQLiteConnector(Connector):
             conn.set_progress_handler(None, 0)
             self.release(sess, False)
             if "interrupted" in str(exc):
-                raise query_timeout(limit) from None
+                raise Timeout(limit) from None
             raise QueryFailed(str(exc)) from None
 
         def gen():
@@ -1001,7 +981,7 @@ class ClickHouseConnector(Connector):
         try:
             import clickhouse_connect
         except ImportError:
-            raise ApiError(500, "driver_missing", "clickhouse-connect is not installed: pip install 'qag[clickhouse]'") \
+            raise DriverMissing("clickhouse-connect is not installed: pip install 'qag[clickhouse]'") \
                 from None
         host = self.row.get("host") or "127.0.0.1"
         settings = {"max_execution_time": int(max(1, self.timeout))}
@@ -1017,7 +997,7 @@ class ClickHouseConnector(Connector):
                                                           connect_timeout=self.connect_timeout, settings=settings),
                             write)
         except Exception as exc:
-            raise connection_failed(self.name, _first_line(exc, self.password)) from None
+            raise Unreachable(self.name, _first_line(exc, self.password)) from None
 
     def _run(self, sess, sql, args, *, write, limit, max_rows):
         try:
@@ -1031,12 +1011,12 @@ class ClickHouseConnector(Connector):
             if max_rows is not None:
                 rows = rows[:max_rows]
             return cols, rows, len(rows)
-        except ApiError:
+        except ConnectorError:
             raise
         except Exception as exc:
             text = _first_line(exc, self.password)
             if "TIMEOUT_EXCEEDED" in text or "Code: 159" in text:
-                raise query_timeout(self.timeout) from None
+                raise Timeout(self.timeout) from None
             raise QueryFailed(text) from None
 
     def stream(self, sql, args, *, timeout, batch=500, state_free=False):

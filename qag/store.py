@@ -18,21 +18,13 @@ import threading
 from typing import Any, Iterable
 
 from qag import timeutil
-from qag.errors import ApiError
+from qag.errors import ApiError, Conflict, StoreUnavailable
 
 try:  # the postgres extra
     import psycopg2
     import psycopg2.errors
 except ImportError:  # pragma: no cover - SQLite-only installs
     psycopg2 = None  # type: ignore[assignment]
-
-
-class StoreUnavailable(Exception):
-    """The metadata store cannot be reached; the API answers 503 and recovers when it returns."""
-
-
-class Conflict(Exception):
-    pass
 
 
 MIGRATIONS: tuple[tuple[int, str, tuple[str | tuple[str, str], ...]], ...] = (

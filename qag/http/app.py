@@ -21,11 +21,10 @@ import falcon
 
 from qag import __version__, formats, params as P, render
 from qag import connectors
-from qag.connectors import QueryFailed
-from qag.errors import ApiError, DatabaseError
+from qag.errors import ApiError, DomainError
+from qag.http import errors as http_errors
 from qag.metrics import Observer
 from qag.runtime import Runtime
-from qag.store import StoreUnavailable
 
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 TRUE = frozenset(("1", "true", "yes", "on"))
@@ -73,15 +72,6 @@ def send_error(req, resp, err: ApiError) -> None:
     resp.set_header("Cache-Control", "no-store")
     for k, v in err.headers.items():
         resp.set_header(k, v)
-
-
-def query_failed(exc: QueryFailed, admin: bool) -> ApiError:
-    """500 query_failed: the database's own words for administrators, a fixed sentence for every other caller
-    (whatever the database said can carry a masked value: connectors S7)."""
-    if admin:
-        return ApiError(500, "query_failed", "The database rejected the statement: " + exc.db_text)
-    return ApiError(500, "query_failed",
-                    "The database rejected the statement; an administrator can see why in the run history.")
 
 
 def read_json(req, cfg, *, allow_empty: bool = False) -> dict:
@@ -320,17 +310,14 @@ class DataResource:
             app.finish(req, run, status, None, t0, query_seconds, plan_hit)
             if limits is not None and limits.rows_keys:
                 rt.limiter.count_rows(limits, run["rows"])
-        except ApiError as err:
+        except (ApiError, DomainError) as exc:
+            # the database's own words only for administrators (connectors S7)
+            err = http_errors.answer(exc, admin="principal" in locals() and principal.admin, data_call=True)
+            if err is None:
+                raise
             app.finish(req, run, err.status, err.code, t0, query_seconds, plan_hit)
             if err.status >= 500 or err.status == 403:
-                log_refusal(req, run, err, getattr(err, "db_text", ""))
-            if isinstance(err, DatabaseError) and "principal" in locals() and principal.admin:
-                raise err.for_admin() from None
-            raise
-        except QueryFailed as exc:
-            app.finish(req, run, 500, "query_failed", t0, query_seconds, plan_hit)
-            err = query_failed(exc, "principal" in locals() and principal.admin)
-            log_refusal(req, run, err, getattr(exc, "db_text", ""))
+                log_refusal(req, run, err, getattr(exc, "db_text", ""))
             raise err from None
 
     def stream(self, req, resp, plan, connector, args, opts, principal, run, t0):
@@ -554,6 +541,7 @@ class QagApp:
         self.falcon.add_error_handler(Exception, self._on_exception)
         self.falcon.add_error_handler(falcon.HTTPError, self._on_http_error)
         self.falcon.add_error_handler(ApiError, self._on_api_error)
+        self.falcon.add_error_handler(DomainError, self._on_domain_error)
         self.falcon.add_route(DataResource.ROUTE, DataResource(self))
         from qag.http import console
         from qag.http import catalog, manage, ops, roles, runs
@@ -632,6 +620,12 @@ class QagApp:
         send_error(req, resp, err)
         req.context.error_code = err.code
 
+    def _on_domain_error(self, req, resp, exc, params):
+        err = http_errors.answer(exc)
+        if err is None:
+            return self._on_exception(req, resp, exc, params)
+        self._on_api_error(req, resp, err, params)
+
     def _on_http_error(self, req, resp, err, params):
         status = int(str(err.status).split()[0]) if not isinstance(err.status, int) else err.status
         code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large", 415: "unsupported_media_type",
@@ -649,13 +643,9 @@ class QagApp:
         req.context.error_code = code
 
     def _on_exception(self, req, resp, exc, params):
-        if isinstance(exc, StoreUnavailable):
-            err = ApiError(503, "store_unavailable", "The metadata store is unreachable right now; retry shortly.",
-                           headers={"Retry-After": "1"})
-        else:
-            import logging
-            logging.getLogger("qag").exception("unhandled error on %s %s", req.method, req.path)
-            err = ApiError(500, "internal_error", "qag failed to handle this request; the error is in its log.")
+        import logging
+        logging.getLogger("qag").exception("unhandled error on %s %s", req.method, req.path)
+        err = ApiError(500, "internal_error", "qag failed to handle this request; the error is in its log.")
         send_error(req, resp, err)
         req.context.error_code = err.code
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from qag import formats as F
 from qag import render
-from qag.errors import ApiError
+from qag.errors import ApiError, ConnectorError, QueryFailed, SecretKeyProblem
+from qag.http import errors as http_errors
 
 _SYSTEM_SCHEMAS = {"pg_catalog", "information_schema", "pg_toast", "mysql", "performance_schema", "sys", "system",
                    "INFORMATION_SCHEMA"}
@@ -51,8 +52,10 @@ class Catalog:
                 continue
             try:
                 plan, _, _ = rt.plan(principal, q["name"], None)
-            except ApiError as err:
-                if err.status in (400, 403, 404):
+            except QueryFailed:
+                raise  # the database refused to describe itself to the plan: no listing (500)
+            except (ApiError, ConnectorError, SecretKeyProblem) as err:
+                if http_errors.status_of(err) in (400, 403, 404):
                     continue  # governance refuses it for this caller, or it is gone: not runnable
                 plan = None   # the database is unreachable now: listed, without what only a plan knows
             v = rt.version(q["name"], q["published_version"], rt.query(q["name"])[1]) or {}

@@ -11,9 +11,10 @@ import time
 
 import falcon
 
-from qag import errors, params as P, plan as plan_mod, timeutil
+from qag import params as P, plan as plan_mod, timeutil
+from qag.http import errors as http_errors
 from qag.http.app import read_json, client_addr
-from qag.errors import ApiError
+from qag.errors import ApiError, DomainError, Unreachable
 from qag.store import Conflict, GRANT_FIELDS, public_connection, public_key
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
@@ -237,12 +238,12 @@ class ConnectionTest:
             # (403 connection_privileged) unless options.allow_superuser is true
             try:
                 priv = conn.privileges()
-            except (connectors.QueryFailed, ApiError):
+            except connectors.ConnectorError:
                 priv = {"superuser": None, "server_files": None, "privileged": None, "detail": []}
         except connectors.QueryFailed as exc:
             raise ApiError(502, "connection_failed", f"Connected, but SELECT 1 failed: {exc.db_text}") from None
-        except errors.DatabaseError as exc:
-            raise exc.for_admin() from None  # administrators only here: the driver's words help
+        except Unreachable as exc:
+            raise http_errors.answer(exc, admin=True) from None  # administrators only here: the driver's words help
         finally:
             conn.close()
         allowed = (row.get("options") or {}).get("allow_superuser") is True
@@ -341,7 +342,7 @@ def describe(app, crow: dict, sql: str) -> bool:
     store = app.runtime.store
     try:
         conn = connectors.make(crow, store.connection_password(crow), app.cfg)
-    except ApiError:
+    except (ApiError, DomainError):
         return False
     try:
         driver_sql, names = P.compile_sql(plan_mod.strip_sql(sql), crow["db"])
@@ -352,7 +353,7 @@ def describe(app, crow: dict, sql: str) -> bool:
             return False  # refused for another reason (e.g. a type only a real value fixes): saved, as before
         raise ApiError(400, "invalid_sql", f"The database of connection '{crow['name']}' refuses this statement: "
                        f"{exc.db_text}", {"field": "sql"}) from None
-    except ApiError:
+    except (ApiError, DomainError):
         return False  # unreachable or slow right now: nothing to learn; the statement is saved unchecked
     finally:
         conn.close()

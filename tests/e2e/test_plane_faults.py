@@ -35,8 +35,9 @@ pytestmark = pytest.mark.usefixtures("plane")  # built by `make plane`, never un
 
 
 def _timeout_body(rid: str, seconds: float) -> bytes:
-    from qag.connectors import query_timeout
-    return json.dumps(query_timeout(seconds).body(rid)).encode()
+    from qag.errors import Timeout
+    from qag.http.errors import answer
+    return json.dumps(answer(Timeout(seconds)).body(rid)).encode()
 
 
 def _serve(connection: dict, queries: dict) -> tuple:

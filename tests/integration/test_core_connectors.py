@@ -9,7 +9,8 @@ import pytest
 
 from qag import config, connectors, params as P
 from qag.connectors import QueryFailed
-from qag.errors import ApiError
+from qag.errors import Timeout, Unreachable
+from qag.http.errors import status_of
 from tests.conftest import free_port, mysql_exec, pg_exec, pg_fresh_db
 
 CFG = config.load({"QAG_QUERY_TIMEOUT": "1", "QAG_CONNECT_TIMEOUT": "2"})
@@ -54,9 +55,9 @@ def test_pg_values_are_bound_never_spliced(pg):
 def test_pg_timeout_cancels(pg):
     c, _ = pg
     t0 = time.monotonic()
-    with pytest.raises(ApiError) as ei:
+    with pytest.raises(Timeout) as ei:
         c.run("SELECT pg_sleep(5)", (), write=False, timeout=None, max_rows=None)
-    assert ei.value.code == "query_timeout" and ei.value.status == 504 and time.monotonic() - t0 < 3
+    assert ei.value.code == "query_timeout" and status_of(ei.value) == 504 and time.monotonic() - t0 < 3
     assert c.run("SELECT 1", (), write=False, timeout=None, max_rows=None)[1] == [(1,)]
 
 
@@ -73,9 +74,9 @@ def test_unreachable_fails_fast_without_password():
            "database": "d", "options": {}}
     c = connectors.make(row, "pw-secret", CFG)
     t0 = time.monotonic()
-    with pytest.raises(ApiError) as ei:
+    with pytest.raises(Unreachable) as ei:
         c.run("SELECT 1", (), write=False, timeout=None, max_rows=None)
-    assert ei.value.status == 502 and ei.value.code == "connection_failed"
+    assert status_of(ei.value) == 502 and ei.value.code == "connection_failed"
     assert "pw-secret" not in ei.value.message and time.monotonic() - t0 < 3
 
 
@@ -108,7 +109,7 @@ def test_mysql_write_session_commits(my):
 
 def test_mysql_timeout(my):
     t0 = time.monotonic()
-    with pytest.raises(ApiError) as ei:
+    with pytest.raises(Timeout) as ei:
         my.run("SELECT SLEEP(5) FROM t", (), write=False, timeout=None, max_rows=None)
     assert ei.value.code == "query_timeout" and time.monotonic() - t0 < 4
     assert my.run("SELECT 1", (), write=False, timeout=None, max_rows=None)[1] == [(1,)]
@@ -126,7 +127,7 @@ def test_sqlite_read_only_and_deadline(tmp_path):
         c.run("DELETE FROM t", (), write=False, timeout=None, max_rows=None)
     assert "readonly" in ei.value.db_text.replace(" ", "").lower()
     t0 = time.monotonic()
-    with pytest.raises(ApiError) as ei:  # a cross join that runs for ever
+    with pytest.raises(Timeout) as ei:  # a cross join that runs for ever
         c.run("SELECT count(*) FROM t a, t b, t c, t d", (), write=False, timeout=0.3, max_rows=None)
     assert ei.value.code == "query_timeout" and time.monotonic() - t0 < 2
     assert c.run("SELECT count(*) FROM t", (), write=False, timeout=None, max_rows=None)[1] == [(1000,)]
