@@ -39,10 +39,12 @@ def cmd_demo(args) -> int:
 
 
 def cmd_admins(args) -> int:
-    from qag.store import Conflict, Store
+    from qag.errors import Conflict
+    from qag.store import Store
     cfg = _cfg(args)
     store = Store(home=cfg.home, database_url=cfg.database_url, secret_key=cfg.secret_key)
-    store.migrate()
+    if not _migrate(store, "cannot change administrators"):
+        return 1
     if args.admins_cmd == "create":
         try:
             token = store.create_admin(args.name)
@@ -87,11 +89,24 @@ def _bump_global(cfg) -> None:
         seg.close()
 
 
+def _migrate(store, doing: str) -> int:
+    """The store's schema version after migrating it; 0 (and one line) when a newer qag migrated it."""
+    from qag.errors import SchemaTooNew
+    try:
+        return store.migrate()
+    except SchemaTooNew as exc:
+        print(f"qag: {doing}: {exc}", file=sys.stderr)
+        return 0
+
+
 def cmd_migrate(args) -> int:
     from qag.store import Store
     cfg = _cfg(args)
     store = Store(home=cfg.home, database_url=cfg.database_url, secret_key=cfg.secret_key)
-    print(f"schema version {store.migrate()}")
+    version = _migrate(store, "cannot migrate")
+    if not version:
+        return 1
+    print(f"schema version {version}")
     _bump_global(cfg)  # a running instance on this host rebuilds whatever a migration may have changed
     return 0
 

@@ -24,7 +24,7 @@ import threading
 import time
 
 from qag import timeutil
-from qag.errors import ApiError
+from qag.errors import ApiError, Conflict, NotFound
 
 log = logging.getLogger("qag.identity")
 
@@ -151,9 +151,9 @@ def list_roles(store) -> list[dict]:
     return store.run(q)
 
 
-def put_role(store, actor: str, role: dict, create: bool) -> dict | None:
-    """Insert (create) or replace a role, with its audit row and change notice, in one transaction. None: a role
-    to create exists already, or one to change does not."""
+def put_role(store, actor: str, role: dict, create: bool) -> dict:
+    """Insert (create) or replace a role, with its audit row and change notice, in one transaction. Conflict: a
+    role to create exists already; NotFound: one to change does not."""
     _ensure(store)
     now = timeutil.now_text()
 
@@ -161,8 +161,10 @@ def put_role(store, actor: str, role: dict, create: bool) -> dict | None:
         cur.execute(f"SELECT {COLS} FROM qag_roles WHERE name = ?", (role["name"],))
         r = cur.fetchone()
         before = _row(r) if r else None
-        if (before is not None) == create:
-            return None
+        if before is not None and create:
+            raise Conflict("role_exists", f"A role named '{role['name']}' exists; PATCH it or pick another name.")
+        if before is None and not create:
+            raise NotFound("role_not_found", f"There is no role named '{role['name']}'.")
         if create:
             cur.execute(f"INSERT INTO qag_roles ({COLS}) VALUES (?,?,?,?,?,?)",
                         (role["name"], role.get("description") or "", json.dumps(role["grants"]),
@@ -178,18 +180,17 @@ def put_role(store, actor: str, role: dict, create: bool) -> dict | None:
     return store.run(q, write=True)
 
 
-def delete_role(store, actor: str, name: str) -> bool:
+def delete_role(store, actor: str, name: str) -> None:
     _ensure(store)
 
     def q(cur):
         cur.execute(f"SELECT {COLS} FROM qag_roles WHERE name = ?", (name,))
         r = cur.fetchone()
         if not r:
-            return False
+            raise NotFound("role_not_found", f"There is no role named '{name}'.")
         cur.execute("DELETE FROM qag_roles WHERE name = ?", (name,))
         store.audit(cur, actor, "delete", "role", name, _row(r), None)
-        return True
-    return store.run(q, write=True)
+    store.run(q, write=True)
 
 
 # -- claim-bound parameters ----------------------------------------------------------------------------------

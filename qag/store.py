@@ -1,14 +1,17 @@
 """The metadata store: connections, saved queries (immutable versions, a published pointer), API keys
 (SHA-256 of the secret), administrators and the audit log; SQLite in QAG_HOME or PostgreSQL.
 
-One SQL text serves both engines: statements are written with `?` markers and translated to `%s` for
-psycopg2. Every change is one transaction that also writes its audit row; the caller bumps the
+One SQL text serves both engines: statements are written with `?` markers (qmark), translated for psycopg2
+(pyformat) by one rule, `pg_paramstyle`; the schema is qag/store_migrations.py, written per dialect. Refusals
+and failures are domain errors (qag/errors.py: NotFound, Conflict, InUse, StoreUnavailable, SchemaTooNew),
+never HTTP answers. Every change is one transaction that also writes its audit row; the caller bumps the
 generations the change affects after commit and before acknowledging it (qag/runtime.py), and other hosts
 apply it from its sequence number (qag/server/changes.py).
 """
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import json
 import os
@@ -17,8 +20,8 @@ import sqlite3
 import threading
 from typing import Any, Iterable
 
-from qag import timeutil
-from qag.errors import ApiError, Conflict, StoreUnavailable
+from qag import store_migrations, timeutil
+from qag.errors import Conflict, InUse, NotFound, SchemaTooNew, SecretKeyProblem, StoreUnavailable
 
 try:  # the postgres extra
     import psycopg2
@@ -27,65 +30,8 @@ except ImportError:  # pragma: no cover - SQLite-only installs
     psycopg2 = None  # type: ignore[assignment]
 
 
-MIGRATIONS: tuple[tuple[int, str, tuple[str | tuple[str, str], ...]], ...] = (
-    (1, "initial schema", (
-        """CREATE TABLE IF NOT EXISTS qag_connections (
-            name TEXT PRIMARY KEY, db TEXT NOT NULL, host TEXT, port INTEGER, username TEXT,
-            password TEXT, dbname TEXT, active INTEGER NOT NULL DEFAULT 1, options TEXT NOT NULL DEFAULT '{}',
-            created_at TEXT NOT NULL, updated_at TEXT NOT NULL)""",
-        """CREATE TABLE IF NOT EXISTS qag_queries (
-            name TEXT PRIMARY KEY, connection_name TEXT NOT NULL, description TEXT NOT NULL DEFAULT '',
-            published_version INTEGER, cache_ttl INTEGER, latest_version INTEGER NOT NULL DEFAULT 0,
-            created_at TEXT NOT NULL, updated_at TEXT NOT NULL, created_by TEXT)""",
-        """CREATE TABLE IF NOT EXISTS qag_query_versions (
-            query_name TEXT NOT NULL, version INTEGER NOT NULL, sql_text TEXT NOT NULL,
-            parameters TEXT NOT NULL DEFAULT '{}', mask TEXT NOT NULL DEFAULT '[]',
-            allow_unsafe INTEGER NOT NULL DEFAULT 0, description TEXT NOT NULL DEFAULT '',
-            created_at TEXT NOT NULL, created_by TEXT, PRIMARY KEY (query_name, version))""",
-        """CREATE TABLE IF NOT EXISTS qag_api_keys (
-            name TEXT PRIMARY KEY, key_hash TEXT NOT NULL UNIQUE, prefix TEXT NOT NULL,
-            grants TEXT NOT NULL, active INTEGER NOT NULL DEFAULT 1, expires_at TEXT,
-            prev_hash TEXT, prev_valid_until TEXT, description TEXT NOT NULL DEFAULT '',
-            created_at TEXT NOT NULL, updated_at TEXT NOT NULL, rotated_at TEXT)""",
-        "CREATE INDEX IF NOT EXISTS qag_api_keys_prev ON qag_api_keys (prev_hash)",
-        """CREATE TABLE IF NOT EXISTS qag_admins (
-            name TEXT PRIMARY KEY, token_hash TEXT NOT NULL UNIQUE, active INTEGER NOT NULL DEFAULT 1,
-            created_at TEXT NOT NULL)""",
-        """CREATE TABLE IF NOT EXISTS qag_audit (
-            id INTEGER PRIMARY KEY, at TEXT NOT NULL, actor TEXT NOT NULL, action TEXT NOT NULL,
-            entity TEXT NOT NULL, name TEXT NOT NULL, before TEXT, after TEXT)""",
-        """CREATE TABLE IF NOT EXISTS qag_kv (k TEXT PRIMARY KEY, v TEXT NOT NULL)""",
-    )),
-    # Audit ids are assigned at insert, so on PostgreSQL a smaller id may commit after a larger one: a watcher
-    # that remembers "applied up to id N" could skip a change for good. Every change now also takes the next
-    # number of one counter row, whose row lock it holds to its commit: numbers commit in order, with no gaps.
-    (2, "change sequence numbers, committed in order", (
-        "CREATE TABLE IF NOT EXISTS qag_change_seq (id INTEGER PRIMARY KEY, n BIGINT NOT NULL)",
-        "INSERT INTO qag_change_seq (id, n) SELECT 1, COALESCE(MAX(id), 0) FROM qag_audit",
-        "ALTER TABLE qag_audit ADD COLUMN seq BIGINT",
-        "UPDATE qag_audit SET seq = id",
-        "CREATE UNIQUE INDEX IF NOT EXISTS qag_audit_seq ON qag_audit (seq)",
-    )),
-    # A writer that does not number its change itself (a host still on the previous version during an upgrade,
-    # a script inserting its audit row) gets the next number from the store, so no watcher can miss it.
-    (3, "audit rows without a sequence number get the next one", (
-        ("pg", """CREATE OR REPLACE FUNCTION qag_audit_number() RETURNS trigger LANGUAGE plpgsql AS $$
-            BEGIN
-                IF NEW.seq IS NULL THEN
-                    UPDATE qag_change_seq SET n = n + 1 WHERE id = 1 RETURNING n INTO NEW.seq;
-                END IF;
-                RETURN NEW;
-            END $$"""),
-        ("pg", "CREATE TRIGGER qag_audit_number BEFORE INSERT ON qag_audit FOR EACH ROW "
-               "EXECUTE FUNCTION qag_audit_number()"),
-        ("sqlite", """CREATE TRIGGER IF NOT EXISTS qag_audit_number AFTER INSERT ON qag_audit
-            WHEN NEW.seq IS NULL
-            BEGIN
-                UPDATE qag_change_seq SET n = n + 1 WHERE id = 1;
-                UPDATE qag_audit SET seq = (SELECT n FROM qag_change_seq WHERE id = 1) WHERE id = NEW.id;
-            END"""),
-    )),
-)
+__all__ = ["Conflict", "InUse", "NotFound", "SchemaTooNew", "StoreUnavailable", "Store", "pg_paramstyle"]
+
 
 PASSWORD_SHOWN = "********"
 SECRET_FIELDS = ("password",)
@@ -124,14 +70,14 @@ class PasswordBox:
             return body
         if kind == "fernet":
             if self._fernet is None:
-                raise ApiError(500, "secret_key_missing",
-                               "This connection's password is encrypted; set QAG_SECRET_KEY to the key it was saved with.")
+                raise SecretKeyProblem("secret_key_missing", "This connection's password is encrypted; set "
+                                       "QAG_SECRET_KEY to the key it was saved with.")
             from cryptography.fernet import InvalidToken
             try:
                 return self._fernet.decrypt(body.encode("ascii")).decode("utf-8")
             except InvalidToken:
-                raise ApiError(500, "secret_key_mismatch",
-                               "This connection's password was encrypted with a different QAG_SECRET_KEY.") from None
+                raise SecretKeyProblem("secret_key_mismatch", "This connection's password was encrypted with a "
+                                       "different QAG_SECRET_KEY.") from None
         return stored
 
 
@@ -189,8 +135,12 @@ class Store:
             self._all.clear()
         self._local = threading.local()
 
+    @property
+    def dialect(self) -> str:
+        return "postgres" if self.is_pg else "sqlite"
+
     def _sql(self, sql: str) -> str:
-        return sql.replace("?", "%s") if self.is_pg else sql
+        return pg_paramstyle(sql) if self.is_pg else sql
 
     @property
     def by_name(self) -> str:
@@ -233,7 +183,7 @@ class Store:
                         pass
                     raise
                 return out
-            except (ApiError, Conflict, StoreUnavailable):
+            except (Conflict, NotFound, InUse, StoreUnavailable, SchemaTooNew, SecretKeyProblem):
                 raise
             except Exception as exc:
                 if _is_disconnect(exc):
@@ -246,26 +196,24 @@ class Store:
 
     # -- schema ------------------------------------------------------------------------------
     def migrate(self) -> int:
+        """Apply the migrations this store lacks (qag/store_migrations.py); the schema version after them. A store
+        migrated by a newer qag is refused (SchemaTooNew): this one would write a schema it does not know."""
         def apply(cur: _Cursor) -> int:
-            cur.execute("CREATE TABLE IF NOT EXISTS qag_schema_version (version INTEGER PRIMARY KEY, "
-                        "description TEXT NOT NULL, applied_at TEXT NOT NULL)")
+            cur.execute(store_migrations.VERSION_TABLE)
             if self.is_pg:  # several workers or hosts may start together
                 cur.execute("SELECT pg_advisory_xact_lock(715517)")
             cur.execute("SELECT COALESCE(MAX(version), 0) FROM qag_schema_version")
             current = cur.fetchone()[0]
-            for version, desc, statements in MIGRATIONS:
-                if version <= current:
+            if current > store_migrations.LATEST:
+                raise SchemaTooNew(current, store_migrations.LATEST)
+            for m in store_migrations.MIGRATIONS:
+                if m.version <= current:
                     continue
-                for stmt in statements:
-                    if isinstance(stmt, tuple):  # (engine, statement): for one engine only
-                        engine, stmt = stmt
-                        if engine != ("pg" if self.is_pg else "sqlite"):
-                            continue
-                    if self.is_pg:
-                        stmt = stmt.replace("INTEGER PRIMARY KEY, at", "BIGSERIAL PRIMARY KEY, at")
+                for stmt in store_migrations.render(m, self.dialect):
                     cur.execute(stmt)
-                cur.execute("INSERT INTO qag_schema_version VALUES (?, ?, ?)", (version, desc, timeutil.now_text()))
-                current = version
+                cur.execute("INSERT INTO qag_schema_version VALUES (?, ?, ?)",
+                            (m.version, m.description, timeutil.now_text()))
+                current = m.version
             return current
         return self.run(apply, write=True)
 
@@ -364,14 +312,18 @@ class Store:
             row = self._conn_row(cur.fetchone())
             self.audit(cur, actor, "create", "connection", c["name"], None, public_connection(row, True))
             return row
-        return self.run(q, write=True)
+        try:
+            return self.run(q, write=True)
+        except Conflict:
+            raise Conflict("connection_exists", f"A connection named '{c['name']}' exists; PATCH it or pick "
+                           "another name.") from None
 
-    def update_connection(self, actor: str, name: str, changes: dict) -> dict | None:
+    def update_connection(self, actor: str, name: str, changes: dict) -> dict:
         def q(cur):
             cur.execute(f"SELECT {self.CONN_COLS} FROM qag_connections WHERE name = ?", (name,))
             r = cur.fetchone()
             if not r:
-                return None
+                raise NotFound("connection_not_found", f"There is no connection named '{name}'.")
             before = self._conn_row(r)
             cols = {"db": "db", "host": "host", "port": "port", "user": "username", "database": "dbname",
                     "active": "active", "options": "options", "password": "password"}
@@ -397,21 +349,21 @@ class Store:
             return after
         return self.run(q, write=True)
 
-    def delete_connection(self, actor: str, name: str) -> str:
-        """'ok', 'missing', or 'in_use' (saved queries still point at it)."""
+    def delete_connection(self, actor: str, name: str) -> None:
+        """NotFound, or InUse while saved queries still point at it."""
         def q(cur):
             cur.execute(f"SELECT {self.CONN_COLS} FROM qag_connections WHERE name = ?", (name,))
             r = cur.fetchone()
             if not r:
-                return "missing"
+                raise NotFound("connection_not_found", f"There is no connection named '{name}'.")
             cur.execute("SELECT name FROM qag_queries WHERE connection_name = ? ORDER BY name", (name,))
             users = [x[0] for x in cur.fetchall()]
             if users:
-                return "in_use:" + ", ".join(users)
+                raise InUse("connection_in_use", f"Saved queries still use '{name}': {', '.join(users)}; delete or "
+                            "move them first.", users)
             cur.execute("DELETE FROM qag_connections WHERE name = ?", (name,))
             self.audit(cur, actor, "delete", "connection", name, public_connection(self._conn_row(r), True), None)
-            return "ok"
-        return self.run(q, write=True)
+        self.run(q, write=True)
 
     # -- queries -----------------------------------------------------------------------------
     Q_COLS = "name, connection_name, description, published_version, cache_ttl, latest_version, created_at, updated_at, created_by"
@@ -468,21 +420,26 @@ class Store:
                        {**q_, "version": 1, "sql": v["sql"], "published_version": 1 if publish else None})
             cur.execute(f"SELECT {self.Q_COLS} FROM qag_queries WHERE name = ?", (q_["name"],))
             return self._q_row(cur.fetchone())
-        return self.run(q, write=True)
+        try:
+            return self.run(q, write=True)
+        except Conflict:
+            name = q_["name"]
+            raise Conflict("query_exists", f"A query named '{name}' exists; add a version with POST "
+                           f"/api/v1/queries/{name}/versions.") from None
 
     def _insert_version(self, cur, name, version, v, now, actor):
         cur.execute(f"INSERT INTO qag_query_versions ({self.V_COLS}) VALUES (?,?,?,?,?,?,?,?,?)",
                     (name, version, v["sql"], _dumps(v.get("parameters") or {}), _dumps(v.get("mask") or []),
                      int(bool(v.get("allow_unsafe"))), v.get("description", ""), now, actor))
 
-    def add_version(self, actor: str, name: str, v: dict, publish: bool, changes: dict) -> dict | None:
+    def add_version(self, actor: str, name: str, v: dict, publish: bool, changes: dict) -> dict:
         now = timeutil.now_text()
 
         def q(cur):
             cur.execute(f"SELECT {self.Q_COLS} FROM qag_queries WHERE name = ?", (name,))
             r = cur.fetchone()
             if not r:
-                return None
+                raise NotFound("query_not_found", f"There is no saved query named '{name}'.")
             before = self._q_row(r)
             version = before["latest_version"] + 1
             self._insert_version(cur, name, version, v, now, actor)
@@ -502,15 +459,15 @@ class Store:
             return after
         return self.run(q, write=True)
 
-    def publish(self, actor: str, name: str, version: int) -> str | dict:
+    def publish(self, actor: str, name: str, version: int) -> dict:
         def q(cur):
             cur.execute(f"SELECT {self.Q_COLS} FROM qag_queries WHERE name = ?", (name,))
             r = cur.fetchone()
             if not r:
-                return "missing"
+                raise NotFound("query_not_found", f"There is no saved query named '{name}'.")
             cur.execute("SELECT 1 FROM qag_query_versions WHERE query_name = ? AND version = ?", (name, version))
             if not cur.fetchone():
-                return "no_version"
+                raise NotFound("version_not_found", f"The query '{name}' has no version {version}.")
             before = self._q_row(r)
             cur.execute("UPDATE qag_queries SET published_version = ?, updated_at = ? WHERE name = ?",
                         (version, timeutil.now_text(), name))
@@ -520,17 +477,16 @@ class Store:
             return after
         return self.run(q, write=True)
 
-    def delete_query(self, actor: str, name: str) -> bool:
+    def delete_query(self, actor: str, name: str) -> None:
         def q(cur):
             cur.execute(f"SELECT {self.Q_COLS} FROM qag_queries WHERE name = ?", (name,))
             r = cur.fetchone()
             if not r:
-                return False
+                raise NotFound("query_not_found", f"There is no saved query named '{name}'.")
             cur.execute("DELETE FROM qag_query_versions WHERE query_name = ?", (name,))
             cur.execute("DELETE FROM qag_queries WHERE name = ?", (name,))
             self.audit(cur, actor, "delete", "query", name, self._q_row(r), None)
-            return True
-        return self.run(q, write=True)
+        self.run(q, write=True)
 
     # -- API keys ----------------------------------------------------------------------------
     K_COLS = ("name, key_hash, prefix, grants, active, expires_at, prev_hash, prev_valid_until, description, "
@@ -582,14 +538,18 @@ class Store:
             row = self._k_row(cur.fetchone())
             self.audit(cur, actor, "create", "api_key", name, None, public_key(row))
             return row
-        return self.run(q, write=True), secret
+        try:
+            return self.run(q, write=True), secret
+        except Conflict:
+            raise Conflict("key_exists", f"An API key named '{name}' exists; PATCH it, rotate it or pick another "
+                           "name.") from None
 
-    def update_key(self, actor: str, name: str, grants: dict | None, fields: dict) -> dict | None:
+    def update_key(self, actor: str, name: str, grants: dict | None, fields: dict) -> dict:
         def q(cur):
             cur.execute(f"SELECT {self.K_COLS} FROM qag_api_keys WHERE name = ?", (name,))
             r = cur.fetchone()
             if not r:
-                return None
+                raise NotFound("key_not_found", f"There is no API key named '{name}'.")
             before = self._k_row(r)
             sets, vals = ["updated_at = ?"], [timeutil.now_text()]
             if grants is not None:
@@ -605,7 +565,7 @@ class Store:
             return after
         return self.run(q, write=True)
 
-    def rotate_key(self, actor: str, name: str, grace_minutes: float) -> tuple[dict, str] | None:
+    def rotate_key(self, actor: str, name: str, grace_minutes: float) -> tuple[dict, str]:
         secret = new_key_secret()
         now = timeutil.now()
 
@@ -613,7 +573,7 @@ class Store:
             cur.execute(f"SELECT {self.K_COLS} FROM qag_api_keys WHERE name = ?", (name,))
             r = cur.fetchone()
             if not r:
-                return None
+                raise NotFound("key_not_found", f"There is no API key named '{name}'.")
             before = self._k_row(r)
             import datetime as _dt
             until = timeutil.fmt(now + _dt.timedelta(minutes=grace_minutes)) if grace_minutes > 0 else None
@@ -627,15 +587,14 @@ class Store:
             b["secret"], a["secret"] = "(old)", "(changed)"
             self.audit(cur, actor, "rotate", "api_key", name, b, a)
             return after
-        out = self.run(q, write=True)
-        return (out, secret) if out else None
+        return self.run(q, write=True), secret
 
-    def delete_key(self, actor: str, name: str) -> dict | None:
+    def delete_key(self, actor: str, name: str) -> dict:
         def q(cur):
             cur.execute(f"SELECT {self.K_COLS} FROM qag_api_keys WHERE name = ?", (name,))
             r = cur.fetchone()
             if not r:
-                return None
+                raise NotFound("key_not_found", f"There is no API key named '{name}'.")
             row = self._k_row(r)
             cur.execute("DELETE FROM qag_api_keys WHERE name = ?", (name,))
             self.audit(cur, actor, "delete", "api_key", name, public_key(row), None)
@@ -654,7 +613,10 @@ class Store:
                         (name, hash_secret(token), 1, timeutil.now_text()))
             self.audit(cur, "cli", "create", "admin", name, None, {"name": name, "token": "(set)"})
             return token
-        return self.run(q, write=True)
+        try:
+            return self.run(q, write=True)
+        except Conflict:
+            raise Conflict("admin_exists", f"An administrator named '{name}' exists.") from None
 
     def find_admin(self, token_hash: str) -> str | None:
         def q(cur):
@@ -680,8 +642,86 @@ class Store:
         return self.run(q, write=True)
 
 
+_PG_CACHE_SIZE = 512  # the store's statements are a few dozen texts (the column sets of an UPDATE vary)
+
+
+@functools.lru_cache(maxsize=_PG_CACHE_SIZE)
+def pg_paramstyle(sql: str) -> str:
+    """A statement written with `?` markers (DB-API qmark, SQLite's) in psycopg2's pyformat: each `?` that is a
+    marker becomes `%s`, and every `%` becomes `%%`, since psycopg2 reads `%` anywhere in the text once it is
+    given parameters (the store always gives a tuple). A `?` is no marker inside a string literal ('…', E'…'
+    with backslash escapes), a quoted identifier ("…"), a dollar-quoted body ($tag$…$tag$) or a comment
+    (`--` to the line's end, `/* … */`, nested as PostgreSQL nests them)."""
+    out: list[str] = []
+    i, n = 0, len(sql)
+    while i < n:
+        ch = sql[i]
+        if ch == "?":
+            out.append("%s")
+            i += 1
+            continue
+        if ch == "%":
+            out.append("%%")
+            i += 1
+            continue
+        end = i + 1
+        if ch == "'" or ch == '"':
+            backslash = ch == "'" and i > 0 and sql[i - 1] in "eE" and (i < 2 or not _ident_char(sql[i - 2]))
+            end = _quoted_end(sql, i, ch, backslash)
+        elif sql.startswith("--", i):
+            nl = sql.find("\n", i)
+            end = n if nl < 0 else nl
+        elif sql.startswith("/*", i):
+            end = _block_comment_end(sql, i)
+        elif ch == "$" and (i == 0 or not _ident_char(sql[i - 1])):
+            tag_end = sql.find("$", i + 1)
+            tag = sql[i:tag_end + 1] if tag_end > 0 else ""
+            if tag and all(_ident_char(c) for c in tag[1:-1]) and not tag[1:2].isdigit():
+                close = sql.find(tag, tag_end + 1)
+                end = n if close < 0 else close + len(tag)
+        out.append(sql[i:end].replace("%", "%%"))
+        i = end
+    return "".join(out)
+
+
+def _ident_char(c: str) -> bool:
+    return c.isalnum() or c == "_"
+
+
+def _quoted_end(sql: str, i: int, quote: str, backslash: bool) -> int:
+    j, n = i + 1, len(sql)
+    while j < n:
+        c = sql[j]
+        if backslash and c == "\\":
+            j += 2
+            continue
+        if c == quote:
+            if j + 1 < n and sql[j + 1] == quote:  # a doubled quote is one quote character
+                j += 2
+                continue
+            return j + 1
+        j += 1
+    return n
+
+
+def _block_comment_end(sql: str, i: int) -> int:
+    depth, j, n = 0, i, len(sql)
+    while j < n:
+        if sql.startswith("/*", j):
+            depth += 1
+            j += 2
+        elif sql.startswith("*/", j):
+            depth -= 1
+            j += 2
+            if depth == 0:
+                return j
+        else:
+            j += 1
+    return n
+
+
 class _Cursor:
-    """A cursor that translates `?` markers and counts statements."""
+    """A cursor that writes `?` markers in the store's dialect (pg_paramstyle) and counts statements."""
     __slots__ = ("_store", "_cur")
 
     def __init__(self, store: Store, cur):

@@ -15,7 +15,7 @@ from qag import params as P, plan as plan_mod, timeutil
 from qag.http import errors as http_errors
 from qag.http.app import read_json, client_addr
 from qag.errors import ApiError, DomainError, Unreachable
-from qag.store import Conflict, GRANT_FIELDS, public_connection, public_key
+from qag.store import GRANT_FIELDS, public_connection, public_key
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
 DBS = ("postgres", "mysql", "sqlite", "clickhouse")
@@ -159,11 +159,7 @@ class Connections:
         p = require_admin(self.app, req)
         c = validate_connection(read_json(req, self.app.cfg))
         c.setdefault("active", True)
-        try:
-            row = self.app.runtime.store.create_connection(p.name, c)
-        except Conflict:
-            raise ApiError(409, "connection_exists", f"A connection named '{c['name']}' exists; PATCH it or pick "
-                           "another name.") from None
+        row = self.app.runtime.store.create_connection(p.name, c)
         self.app.runtime.changed("connection", c["name"])
         ok(resp, public_connection(row), 201)
 
@@ -191,19 +187,12 @@ class Connection:
         body.pop("name", None)
         changes = validate_connection(body, partial=True)
         row = self.app.runtime.store.update_connection(p.name, name, changes)
-        if row is None:
-            raise ApiError(404, "connection_not_found", f"There is no connection named '{name}'.")
         self.app.runtime.changed("connection", name)
         ok(resp, public_connection(row))
 
     def on_delete(self, req, resp, name):
         p = require_admin(self.app, req)
-        out = self.app.runtime.store.delete_connection(p.name, name)
-        if out == "missing":
-            raise ApiError(404, "connection_not_found", f"There is no connection named '{name}'.")
-        if out.startswith("in_use:"):
-            raise ApiError(409, "connection_in_use", f"Saved queries still use '{name}': {out[7:]}; delete or "
-                           "move them first.")
+        self.app.runtime.store.delete_connection(p.name, name)
         self.app.runtime.changed("connection", name)
         resp.status = falcon.HTTP_204
 
@@ -394,11 +383,7 @@ class Queries:
         v = _version_from(self.app, body, conn_name)
         q = {"name": name, "connection_name": conn_name, "description": v["description"],
              "cache_ttl": _cache_ttl(body)}
-        try:
-            row = self.app.runtime.store.create_query(p.name, q, v, publish)
-        except Conflict:
-            raise ApiError(409, "query_exists", f"A query named '{name}' exists; add a version with POST "
-                           f"/api/v1/queries/{name}/versions.") from None
+        row = self.app.runtime.store.create_query(p.name, q, v, publish)
         self.app.runtime.changed("query", name)
         ok(resp, public_query(row, {**v, "version": 1}), 201)
 
@@ -462,8 +447,7 @@ class Query:
 
     def on_delete(self, req, resp, name):
         p = require_admin(self.app, req)
-        if not self.app.runtime.store.delete_query(p.name, name):
-            raise ApiError(404, "query_not_found", f"There is no saved query named '{name}'.")
+        self.app.runtime.store.delete_query(p.name, name)
         self.app.runtime.changed("query", name)
         resp.status = falcon.HTTP_204
 
@@ -503,8 +487,6 @@ class QueryVersions:
         if "description" in body:
             changes["description"] = v["description"]
         row = store.add_version(p.name, name, v, publish, changes)
-        if row is None:
-            raise ApiError(404, "query_not_found", f"There is no saved query named '{name}'.")
         self.app.runtime.changed("query", name)
         vrow = store.get_version(name, row["latest_version"])
         ok(resp, public_version(vrow, row), 201)
@@ -522,10 +504,6 @@ class QueryPublish:
         if isinstance(version, bool) or not isinstance(version, int) or version < 1:
             raise _type_error("version", "a positive integer")
         out = self.app.runtime.store.publish(p.name, name, version)
-        if out == "missing":
-            raise ApiError(404, "query_not_found", f"There is no saved query named '{name}'.")
-        if out == "no_version":
-            raise ApiError(404, "version_not_found", f"The query '{name}' has no version {version}.")
         self.app.runtime.changed("query", name)
         v = self.app.runtime.store.get_version(name, version)
         ok(resp, public_query(out, v))
@@ -621,11 +599,7 @@ class ApiKeys:
         desc = body.get("description") or ""
         if not isinstance(desc, str):
             raise _type_error("description", "a string")
-        try:
-            row, secret = self.app.runtime.store.create_key(p.name, name, grants, active, _expires(body), desc)
-        except Conflict:
-            raise ApiError(409, "key_exists", f"An API key named '{name}' exists; PATCH it, rotate it or pick "
-                           "another name.") from None
+        row, secret = self.app.runtime.store.create_key(p.name, name, grants, active, _expires(body), desc)
         self.app.runtime.changed("key", name)
         ok(resp, {**public_key(row), "secret": secret}, 201, no_store=True)
 
@@ -660,15 +634,12 @@ class ApiKey:
                 raise _type_error("description", "a string")
             fields["description"] = body["description"]
         row = self.app.runtime.store.update_key(p.name, name, grants or None, fields)
-        if row is None:
-            raise ApiError(404, "key_not_found", f"There is no API key named '{name}'.")
         self.app.runtime.changed("key", name)
         ok(resp, public_key(row))
 
     def on_delete(self, req, resp, name):
         p = require_admin(self.app, req)
-        if self.app.runtime.store.delete_key(p.name, name) is None:
-            raise ApiError(404, "key_not_found", f"There is no API key named '{name}'.")
+        self.app.runtime.store.delete_key(p.name, name)
         self.app.runtime.changed("key", name)
         resp.status = falcon.HTTP_204
 
@@ -684,10 +655,7 @@ class ApiKeyRotate:
         grace = body.get("grace_minutes", 60)  # QueryAPIGate's default: the old secret works for an hour
         if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace <= 60 * 24 * 30:
             raise _type_error("grace_minutes", "a number of minutes between 0 and 43200")
-        out = self.app.runtime.store.rotate_key(p.name, name, float(grace))
-        if out is None:
-            raise ApiError(404, "key_not_found", f"There is no API key named '{name}'.")
-        row, secret = out
+        row, secret = self.app.runtime.store.rotate_key(p.name, name, float(grace))
         self.app.runtime.changed("key", name)
         ok(resp, {**public_key(row), "secret": secret}, 200, no_store=True)
 

@@ -66,8 +66,6 @@ class Roles:
             grants.setdefault(f, None if f not in ("queries", "connections", "mask", "allow_writes") else
                               ([] if f != "allow_writes" else False))
         row = identity.put_role(self.app.runtime.store, p.name, {"name": name, **v}, create=True)
-        if row is None:
-            raise ApiError(409, "role_exists", f"A role named '{name}' exists; PATCH it or pick another name.")
         _changed(self.app, name)
         ok(resp, public_role(row), 201)
 
@@ -98,15 +96,12 @@ class Role:
                   "require_claims": v.get("require_claims", cur["require_claims"]),
                   "grants": {**cur["grants"], **v["grants"]}}
         row = identity.put_role(self.app.runtime.store, p.name, merged, create=False)
-        if row is None:
-            raise ApiError(404, "role_not_found", f"There is no role named '{name}'.")
         _changed(self.app, name)
         ok(resp, public_role(row))
 
     def on_delete(self, req, resp, name):
         p = require_admin(self.app, req)
-        if not identity.delete_role(self.app.runtime.store, p.name, name):
-            raise ApiError(404, "role_not_found", f"There is no role named '{name}'.")
+        identity.delete_role(self.app.runtime.store, p.name, name)
         _changed(self.app, name)
         resp.status = falcon.HTTP_204
 

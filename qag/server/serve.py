@@ -181,14 +181,15 @@ def _refuse_on_stop() -> None:
 def run(cfg, *, pin: bool = True, plane: bool = False, plane_threads: int | None = None) -> int:
     """Start the arbiter in this process (returns when it stops)."""
     from qag import config as _config
-    from qag.store import Store, StoreUnavailable
+    from qag.errors import SchemaTooNew, StoreUnavailable
+    from qag.store import Store
     for name in _config.unknown_variables():
         print(f"qag: warning: {name} is not a qag setting (misspelt?); it is ignored. `qag config` lists them.",
               file=sys.stderr)
     store = Store(home=cfg.home, database_url=cfg.database_url, secret_key=cfg.secret_key)
     try:
         store.migrate()
-    except StoreUnavailable as exc:
+    except (StoreUnavailable, SchemaTooNew) as exc:  # SchemaTooNew: a newer qag migrated it (rolling upgrades)
         print(f"qag: cannot start: {exc}", file=sys.stderr)
         return EXIT_STORE
     except Exception as exc:  # e.g. a corrupt SQLite file, a PostgreSQL permission error

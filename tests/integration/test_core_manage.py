@@ -191,20 +191,21 @@ def test_passwords_encrypted_at_rest(tmp_path):
     assert raw.startswith("fernet:") and "plain-text-pw" not in raw
     assert app.runtime.store.connection_password(app.runtime.store.get_connection("pg")) == "plain-text-pw"
     # the wrong key cannot open it
-    from qag.errors import ApiError
+    from qag.errors import SecretKeyProblem
     from qag.store import Store
     other = Store(home=home, secret_key="another")
-    with pytest.raises(ApiError):
+    with pytest.raises(SecretKeyProblem):
         other.connection_password(other.get_connection("pg"))
 
 
 def test_migrations_are_versioned_and_idempotent(home):
-    from qag.store import MIGRATIONS, Store
+    from qag.store import Store
+    from qag.store_migrations import MIGRATIONS
     s = Store(home=home)
-    assert s.migrate() == MIGRATIONS[-1][0]
-    assert s.migrate() == MIGRATIONS[-1][0]
+    assert s.migrate() == MIGRATIONS[-1].version
+    assert s.migrate() == MIGRATIONS[-1].version
     rows = sqlite3.connect(f"{home}/qag.db").execute("SELECT version FROM qag_schema_version").fetchall()
-    assert [r[0] for r in rows] == [m[0] for m in MIGRATIONS]
+    assert [r[0] for r in rows] == [m.version for m in MIGRATIONS]
     assert sqlite3.connect(f"{home}/qag.db").execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
