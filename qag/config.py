@@ -6,8 +6,9 @@ test fails when the two disagree.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 
 class SettingError(ValueError):
@@ -194,11 +195,25 @@ SETTINGS: tuple[Setting, ...] = (
 _BY_NAME = {s.name: s for s in SETTINGS}
 
 
+# Not settings (no variable, not in the reference): values `qag serve` derives at start, declared here so
+# that every attribute a Config carries is declared in this module. Absent until derived.
+DERIVED: dict[str, str] = {
+    "public_bind": "`qag serve --plane`: the address callers use (QAG_BIND, where the plane listens); `bind` is "
+                   "then the workers' unix socket behind the plane",
+}
+
+
 class Config:
-    """Parsed settings; attribute per setting name."""
+    """Parsed settings; attribute per setting name (and the DERIVED ones, once derived)."""
 
     def __init__(self, values: dict[str, Any]):
         self.__dict__.update(values)
+
+    def behind_plane(self, upstream: str) -> None:
+        """The plane takes QAG_BIND (kept as `public_bind`: the segment's name and the Console use it) and
+        the workers listen on `upstream` instead."""
+        self.__dict__["public_bind"] = self.bind
+        self.__dict__["bind"] = upstream
 
     def __repr__(self) -> str:  # never print secrets
         shown = {k: ("***" if k in ("admin_key", "secret_key", "mask_key", "metrics_token") and v else v)
@@ -206,17 +221,32 @@ class Config:
         return f"Config({shown})"
 
 
+def _parse(s: Setting, env) -> Any:
+    raw = env.get(s.env)
+    text = s.default if raw is None else raw
+    try:
+        return s.parse(text)
+    except ValueError as exc:
+        raise SettingError(f"{s.env}={raw!r} is malformed: {exc}") from None
+
+
+def default(name: str) -> Any:
+    """A setting's declared default, parsed (what it is when its variable is not set)."""
+    s = _BY_NAME[name]
+    return s.parse(s.default)
+
+
+def load_only(names: Iterable[str], environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """Parse just the named settings from the environment (a component that needs a few, such as the run
+    store, reads them here too: one declaration, one parser); SettingError names a malformed one."""
+    env = os.environ if environ is None else environ
+    return {name: _parse(_BY_NAME[name], env) for name in names}
+
+
 def load(environ: dict[str, str] | None = None, **overrides: Any) -> Config:
     """Parse every setting from the environment; raise SettingError naming the first malformed one."""
     env = os.environ if environ is None else environ
-    values: dict[str, Any] = {}
-    for s in SETTINGS:
-        raw = env.get(s.env)
-        text = s.default if raw is None else raw
-        try:
-            values[s.name] = s.parse(text)
-        except ValueError as exc:
-            raise SettingError(f"{s.env}={raw!r} is malformed: {exc}") from None
+    values: dict[str, Any] = {s.name: _parse(s, env) for s in SETTINGS}
     for name, value in overrides.items():
         if name not in _BY_NAME:
             raise SettingError(f"unknown setting {name}")

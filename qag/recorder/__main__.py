@@ -19,8 +19,9 @@ EXIT_JOURNAL = 5
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m qag.recorder", description=__doc__)
     ap.add_argument("--segment", required=True, help="shared-memory segment name")
-    ap.add_argument("--store", default=os.environ.get("QAG_RUN_STORE_URL", ""),
-                    help="run store URL: a SQLite path, postgresql://, clickhouse:// or chdb:///dir")
+    ap.add_argument("--store", default=None,
+                    help="run store URL: a SQLite path, postgresql://, clickhouse:// or chdb:///dir "
+                         "(default: QAG_RUN_STORE_URL)")
     ap.add_argument("--slot", type=int, default=None,
                     help="process slot whose heartbeat this recorder publishes in the segment")
     ap.add_argument("--batch-max", type=int, default=None,
@@ -31,9 +32,14 @@ def main(argv=None) -> int:
     ap.add_argument("--journal", default=None,
                     help="journal directory (default: QAG_JOURNAL_DIR, else QAG_HOME/journal/<segment>); 'off': none")
     args = ap.parse_args(argv)
+    from .. import config
+
+    cfg = config.load()  # the settings as declared in qag/config.py (QAG_RUN_STORE_URL, QAG_LOG_LEVEL, QAG_JOURNAL_*)
+    if args.store is None:
+        args.store = cfg.run_store_url
     if not args.store:
         ap.error("--store (or QAG_RUN_STORE_URL) is required")
-    logging.basicConfig(level=os.environ.get("QAG_LOG_LEVEL", "INFO").upper(),
+    logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s qag: recorder %(levelname)s %(message)s")
     log = logging.getLogger("qag.recorder")
     # While the store is away every retry would log a driver warning: the recorder logs the outage
@@ -68,7 +74,7 @@ def main(argv=None) -> int:
     from . import run_recorder
     from .journal import Journal, JournalError
 
-    jcfg = journal_settings()
+    jcfg = journal_settings(cfg)
     journal = None
     jdir = args.journal or jcfg["dir"] or os.path.join(jcfg["home"], "journal", args.segment.strip("/"))
     if jdir != "off":
@@ -137,11 +143,8 @@ class _Initial:
         self.journal_full = False
 
 
-def journal_settings(environ=None) -> dict:
+def journal_settings(cfg) -> dict:
     """The journal's settings (declared in qag/config.py: QAG_JOURNAL_*), and QAG_HOME."""
-    from .. import config
-
-    cfg = config.load(environ)
     return {"home": cfg.home, "dir": cfg.journal_dir, "max_bytes": cfg.journal_max_bytes,
             "fsync": cfg.journal_fsync, "spill_after_ms": cfg.journal_spill_after_ms}
 

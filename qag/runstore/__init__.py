@@ -36,9 +36,9 @@ Several recorders on one ClickHouse (one per host) commit independently: each ta
 (QAG_RUN_WRITERS = W, QAG_RUN_WRITER_ID = w, so none collide) and events are delivered only once
 older than QAG_EVENTS_SETTLE_MS, set above the longest insert.
 
-Settings (environment, read by StoreSettings.from_env): QAG_EVENTS_RETENTION_HOURS (24),
-QAG_HISTORY_RETENTION_DAYS (30), QAG_HISTORY_SAMPLE_RATE (1; failures always kept),
-QAG_USAGE_RETENTION_DAYS (400), QAG_RUN_WRITERS (1), QAG_RUN_WRITER_ID (0), QAG_EVENTS_SETTLE_MS (0).
+Settings (declared in qag/config.py, read by StoreSettings.from_env): QAG_EVENTS_RETENTION_HOURS,
+QAG_HISTORY_RETENTION_DAYS, QAG_HISTORY_SAMPLE_RATE (failures always kept), QAG_USAGE_RETENTION_DAYS,
+QAG_RUN_WRITERS, QAG_RUN_WRITER_ID, QAG_EVENTS_SETTLE_MS.
 """
 from __future__ import annotations
 

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import datetime as _dt
-import os
 from dataclasses import dataclass
+
+from .. import config
 
 UTC = _dt.UTC
 _EPOCH = _dt.datetime(1970, 1, 1, tzinfo=UTC)
@@ -15,30 +16,39 @@ READ_COLUMNS = ("event_id", "at_us", "query", "version", "key_name", "connection
 PERIOD_SECONDS = {"minute": 60, "hour": 3600, "day": 86400}
 
 
+# StoreSettings field -> the setting in qag/config.py that declares it (variable, type, default, doc):
+# the run store reads its settings there, never the environment itself.
+SETTING_OF = {
+    "events_retention_hours": "events_retention_hours",
+    "history_retention_days": "history_retention_days",
+    "history_sample_rate": "history_sample_rate",
+    "usage_retention_days": "usage_retention_days",
+    "writer_id": "run_writer_id",
+    "writers": "run_writers",
+    "events_settle_ms": "events_settle_ms",
+}
+_D = {field: config.default(name) for field, name in SETTING_OF.items()}
+
+
 @dataclass(frozen=True)
 class StoreSettings:
-    events_retention_hours: int = 24
-    history_retention_days: int = 30
-    history_sample_rate: float = 1.0
-    usage_retention_days: int = 400
+    """The run store's settings; the defaults are config.py's."""
+
+    events_retention_hours: int = _D["events_retention_hours"]
+    history_retention_days: int = _D["history_retention_days"]
+    history_sample_rate: float = _D["history_sample_rate"]
+    usage_retention_days: int = _D["usage_retention_days"]
     # ClickHouse shared by several recorders (one per host): each its own writer number, and events
     # delivered only once older than the settle delay, since writers commit independently.
-    writer_id: int = 0
-    writers: int = 1
-    events_settle_ms: int = 0
+    writer_id: int = _D["writer_id"]
+    writers: int = _D["writers"]
+    events_settle_ms: int = _D["events_settle_ms"]
 
     @classmethod
-    def from_env(cls, **override) -> StoreSettings:
-        env = os.environ
-        values = dict(
-            events_retention_hours=int(env.get("QAG_EVENTS_RETENTION_HOURS", "24")),
-            history_retention_days=int(env.get("QAG_HISTORY_RETENTION_DAYS", "30")),
-            history_sample_rate=float(env.get("QAG_HISTORY_SAMPLE_RATE", "1")),
-            usage_retention_days=int(env.get("QAG_USAGE_RETENTION_DAYS", "400")),
-            writer_id=int(env.get("QAG_RUN_WRITER_ID", "0")),
-            writers=int(env.get("QAG_RUN_WRITERS", "1")),
-            events_settle_ms=int(env.get("QAG_EVENTS_SETTLE_MS", "0")),
-        )
+    def from_env(cls, environ=None, **override) -> StoreSettings:
+        """The settings from the QAG_* environment (parsed by qag/config.py), then `override`."""
+        parsed = config.load_only(SETTING_OF.values(), environ)
+        values = {field: parsed[name] for field, name in SETTING_OF.items()}
         values.update({k: v for k, v in override.items() if v is not None})
         if not 0.0 <= values["history_sample_rate"] <= 1.0:
             raise ValueError("history_sample_rate must be between 0 and 1")

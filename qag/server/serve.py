@@ -215,8 +215,7 @@ def run(cfg, *, pin: bool = True, plane: bool = False, plane_threads: int | None
         plane_opts = {"binary": binary, "listen": cfg.bind, "upstream": upstream, "mask_key": mask_key,
                       "threads": plane_threads or len(physical_cores()),
                       "cpus": [c[0] for c in physical_cores()] if pin and cfg.pin else None}
-        cfg.__dict__["public_bind"] = cfg.bind
-        cfg.__dict__["bind"] = upstream
+        cfg.behind_plane(upstream)
     store.close()
     cpu_plan = plan_workers(cfg.workers)
     workers = len(cpu_plan)

@@ -37,3 +37,28 @@ def test_every_setting_documented_in_readme():
 
 def test_secrets_not_in_repr():
     assert "s3cret" not in repr(config.load({"QAG_ADMIN_KEY": "s3cret"}))
+
+
+def test_the_run_store_reads_its_settings_from_the_declarations():
+    """qag/runstore's settings are config.py's: same variables, same defaults, same parsers."""
+    from qag.runstore import StoreSettings
+    from qag.runstore._items import SETTING_OF
+
+    assert StoreSettings() == StoreSettings.from_env({})
+    for field, name in SETTING_OF.items():
+        assert getattr(StoreSettings(), field) == getattr(config.load({}), name)
+    env = {"QAG_EVENTS_RETENTION_HOURS": "5", "QAG_HISTORY_RETENTION_DAYS": "6", "QAG_HISTORY_SAMPLE_RATE": "0.25",
+           "QAG_USAGE_RETENTION_DAYS": "7", "QAG_RUN_WRITERS": "3", "QAG_RUN_WRITER_ID": "2",
+           "QAG_EVENTS_SETTLE_MS": "8"}
+    assert StoreSettings.from_env(env) == StoreSettings(5, 6, 0.25, 7, writer_id=2, writers=3, events_settle_ms=8)
+    with pytest.raises(config.SettingError) as ei:
+        StoreSettings.from_env({"QAG_USAGE_RETENTION_DAYS": "many"})
+    assert "QAG_USAGE_RETENTION_DAYS" in str(ei.value)
+
+
+def test_behind_the_plane_the_callers_address_is_kept_as_public_bind():
+    cfg = config.load({})
+    assert not hasattr(cfg, "public_bind")
+    cfg.behind_plane("unix:/tmp/x.sock")
+    assert (cfg.public_bind, cfg.bind) == ("127.0.0.1:8080", "unix:/tmp/x.sock")
+    assert set(config.DERIVED) == {"public_bind"}
