@@ -13,6 +13,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import CollectorRegistry
 
+from shm.layout import HIST_BOUNDS
+
 # name -> (type, help, label names)
 METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "qag_requests_total": ("counter", "HTTP requests served, by route and status.", ("route", "status")),
@@ -61,7 +63,10 @@ def reference_markdown() -> str:
     return "\n".join(lines)
 
 
-BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# Every histogram's buckets, declared once: the segment's (shm/layout.py HIST_BOUNDS, LAYOUT.md [Histogram
+# buckets]), which the creator writes into the segment's header and the plane reads from there. The
+# in-process registry (no segment) uses the same bounds, so both backends export the same series.
+BUCKETS = HIST_BOUNDS[:-1]  # the finite bounds; +Inf is the last bucket of both backends
 
 
 class LocalBackend:
@@ -198,15 +203,11 @@ class _Collector:
             else:
                 buckets, total, _ = h
                 cum, acc = [], 0
-                for bound, n in zip(list(BUCKETS) + [float("inf")], buckets):
+                for bound, n in zip(HIST_BOUNDS, buckets):
                     acc += n
                     cum.append(("+Inf" if bound == float("inf") else repr(bound), acc))
             fam.add_metric([lv for _, lv in labels], cum, total)
-        if hasattr(backend, "collect"):
-            from shm.layout import HIST_BOUNDS as bounds
-        else:
-            bounds = (*BUCKETS, float("inf"))
-        zero_buckets = [("+Inf" if b == float("inf") else repr(float(b)), 0) for b in bounds]
+        zero_buckets = [("+Inf" if b == float("inf") else repr(float(b)), 0) for b in HIST_BOUNDS]
         present = {(name, tuple(lv for _, lv in labels)) for name, labels in list(values) + list(hists)}
         for name, (kind, _doc, labels) in METRICS.items():
             if kind == "gauge":
