@@ -288,8 +288,7 @@ def test_retention_runs_under_sustained_load_in_bounded_chunks():
 
 
 def test_a_corrupt_ring_is_skipped_to_its_head_and_the_others_go_on():
-    class RingError(RuntimeError):
-        pass
+    from shm import RingError  # what a ring raises for a record failing its checksum or length
 
     src, store = FakeSource(2), ObservedStore()
     fill(src, 100)
@@ -360,3 +359,17 @@ def test_caught_up_it_polls_once_per_idle_period_not_once_per_run():
     assert store.request_ids() == [f"t{i}" for i in range(300)]
     # about one read per 10 ms poll (plus one per batch and the stop's drain); per run would be >= 300
     assert reads[0] <= elapsed / 0.010 * 1.5 + 30, (reads[0], elapsed)
+
+
+def test_a_ring_failing_otherwise_than_by_a_corrupt_record_stops_the_recorder():
+    """Only shm.RingError (recognised by its class) skips a ring; any other failure of a read is raised."""
+    src, store = FakeSource(1), ObservedStore()
+    fill(src, 10)
+
+    def read_from(pos, n):
+        raise ValueError("not a ring error")
+
+    src.rings[0].read_from = read_from
+    with pytest.raises(ValueError, match="not a ring error"):
+        run_recorder(src, store, threading.Event())
+    assert src.rings[0].tail == 0 and store.request_ids() == []
