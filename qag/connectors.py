@@ -104,7 +104,8 @@ def limit_ms(asked: float | None, server: float) -> int:
     server_ms = max(int(MIN_TIMEOUT * 1000), math.ceil(server * 1000 - 1e-9))
     if asked is None:
         return server_ms
-    ms = math.ceil(max(asked, MIN_TIMEOUT) * 1000 - 1e-9)
+    # clamped before scaling: a finite but huge value (7e307 s) would overflow to infinity in milliseconds
+    ms = math.ceil(min(max(asked, MIN_TIMEOUT), server) * 1000 - 1e-9)
     return max(int(MIN_TIMEOUT * 1000), min(ms, server_ms))
 
 

@@ -14,7 +14,7 @@ CFG = config.load({"QAG_QUERY_TIMEOUT": "30"})
 
 @pytest.mark.parametrize("asked, ms", [
     (None, 30000), (0.0004, 10), (0.01, 10), (0.0101, 11), (0.5, 500), (1.0001, 1001), (29.9999, 30000),
-    (30, 30000), (31, 30000), (1e9, 30000), (1e-300, 10),
+    (30, 30000), (31, 30000), (1e9, 30000), (1e-300, 10), (7e307, 30000), (1.7976931348623157e308, 30000),
 ])
 def test_s3_limit_is_clamped_and_rounded_up_never_zero(asked, ms):
     assert limit_ms(asked, 30.0) == ms
