@@ -74,6 +74,9 @@ class Spec:
         self.period = PERIODS[per]
 
 
+MAX_COUNT = 10 ** 12  # calls or rows per period: far beyond any use, well inside Redis's and SQLite's integers
+
+
 def parse(field: str, value) -> Spec:
     """'N/period' for either field; for quota also {"calls": N, "rows": M, "per": period}. ValueError says why."""
     kind = "rate" if field == "rate_limit" else "quota"
@@ -81,7 +84,7 @@ def parse(field: str, value) -> Spec:
         count, sep, per = value.partition("/")
         per = per.strip().lower()
         per = per[:-1] if per.endswith("s") and per[:-1] in PERIODS else per
-        if not sep or not count.strip().isdigit() or int(count) < 1 or per not in PERIODS or \
+        if not sep or not count.strip().isdigit() or not 1 <= int(count) <= MAX_COUNT or per not in PERIODS or \
                 (kind == "rate" and per == "month"):
             raise ValueError(f"{field} must look like '60/minute' (a positive count, then "
                              f"{'second, minute, hour or day' if kind == 'rate' else 'minute, hour, day or month'})")
@@ -91,7 +94,7 @@ def parse(field: str, value) -> Spec:
         calls, rows, per = value.get("calls"), value.get("rows"), str(value.get("per", "day")).lower()
         ok = not unknown and per in PERIODS and per != "second" and (calls is not None or rows is not None)
         for v in (calls, rows):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_COUNT):
                 ok = False
         if not ok:
             raise ValueError('quota must be "N/period" or {"calls": N, "rows": M, "per": "minute|hour|day|month"} '

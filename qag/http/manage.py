@@ -349,10 +349,13 @@ def describe(app, crow: dict, sql: str) -> bool:
     return True
 
 
+MAX_CACHE_TTL = 2 ** 31 - 1  # what every store's INTEGER holds (a larger one was a 500 from SQLite)
+
+
 def _cache_ttl(body):
     v = body.get("cache_ttl")
-    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-        raise _type_error("cache_ttl", "a non-negative integer (seconds)")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_CACHE_TTL):
+        raise _type_error("cache_ttl", f"a whole number of seconds from 0 to {MAX_CACHE_TTL}")
     return v
 
 
