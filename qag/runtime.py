@@ -391,7 +391,7 @@ class Runtime:
             raise ApiError(502, "connection_failed",
                            f"The connection '{qrow['connection_name']}' of this query no longer exists.")
         if not crow["active"]:
-            raise ApiError(502, "connection_failed",
+            raise ApiError(403, "connection_inactive",
                            f"The connection '{crow['name']}' is inactive; an administrator must reactivate it.")
         self.check_privileged(principal, vrow, crow, connector, cgen)
         p = plan_mod.build(key=principal.key, query=qrow, version=vrow, connection=crow, connector=connector,

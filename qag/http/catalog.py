@@ -101,7 +101,8 @@ class Schema:
         if crow is None or connector is None:
             raise ApiError(404, "connection_not_found", f"There is no connection named '{name}'.")
         if not crow["active"]:
-            raise ApiError(502, "connection_failed", f"The connection '{name}' is inactive.")
+            raise ApiError(403, "connection_inactive",
+                           f"The connection '{name}' is inactive; an administrator must reactivate it.")
         dialect = crow["db"]
         default_schema = connector.default_schema()
         allowed = grants.get("allowed_tables")

@@ -192,7 +192,7 @@ def test_new_version_and_inactive_connection_take_effect_at_once(pgbench_dsn):
     assert r.status_code == 200
     for _ in range(200):
         r = s.get(srv.base + "/q/account?aid=5", headers={"X-API-Key": key})
-        assert r.status_code == 502 and r.json()["code"] == "connection_failed"
+        assert r.status_code == 403 and r.json()["code"] == "connection_inactive", r.text
     srv.stop()
 
 
