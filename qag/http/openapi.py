@@ -117,6 +117,15 @@ ADMIN_ERRORS = {"400": _err("Bad input"), "401": _err("No or bad key"), "403": _
 PATH_NAME = [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}]
 
 
+# One Server-Sent Event of /events (OpenAPI 3.1 has no itemSchema: the schema of a text/event-stream response is
+# the schema of each event, as its fields are parsed): `data` is one run as JSON.
+SSE_EVENT = {"type": "object", "required": ["data"],
+             "properties": {"event": {"type": "string", "enum": ["run"]}, "id": {"type": "string"},
+                            "retry": {"type": "integer"},
+                            "data": {"type": "string", "contentMediaType": "application/json",
+                                     "contentSchema": {"$ref": "#/components/schemas/Run"}}}}
+
+
 def _op(op_id: str, summary: str, ok: dict, *, status="200", body: dict | None = None, errors=None,
         params=None) -> dict:
     signed_in = op_id in ("run_query", "run_query_post", "catalog", "connection_schema")
@@ -227,7 +236,7 @@ def static_paths() -> dict:
             "get": _op("list_queries", "List saved queries", _json("QueryList"),
                        params=[_q("limit", "Page size", {"type": "integer"}), _q("cursor", "From next_cursor")]),
             "post": _op("create_query", "Save a query", _json("Query", "Created"), status="201", body=query_body,
-                        errors={**ADMIN_ERRORS, "409": _err("Exists")})},
+                        errors={**ADMIN_ERRORS, "404": _err("No such connection"), "409": _err("Exists")})},
         "/api/v1/queries/validate": {"post": _op(
             "validate_query", "The checks a save makes, as data (never runs the statement)", _json(
                 {"type": "object", "required": ["valid", "errors", "parameters", "tables"],
@@ -257,7 +266,7 @@ def static_paths() -> dict:
                        params=[_q("limit", "Page size", {"type": "integer"}), _q("cursor", "From next_cursor")]),
             "post": _op("create_key", "Create an API key (the secret is in this answer only)",
                         _json("ApiKey", "Created"), status="201", body=key_body,
-                        errors={**ADMIN_ERRORS, "409": _err("Exists")})},
+                        errors={**ADMIN_ERRORS, "404": _err("No such role"), "409": _err("Exists")})},
         "/api/v1/api-keys/{name}": {
             "parameters": PATH_NAME,
             "get": _op("get_key", "Get an API key", _json("ApiKey"), errors={**ADMIN_ERRORS, "404": _err("No such key")}),
@@ -278,9 +287,10 @@ def static_paths() -> dict:
             _q("per", "minute, hour or day", {"enum": ["minute", "hour", "day"]}), _q("since", "RFC 3339"),
             _q("until", "RFC 3339"), _q("key", "Key name"), _q("query", "Query name")])},
         "/events": {"get": _op("events", "Server-Sent Events of runs (resumable by Last-Event-ID)",
-                               {"description": "text/event-stream",
-                                "content": {"text/event-stream": {"schema": {"type": "string"}}}},
-                               errors={"401": _err("No or bad key"), "503": _err("Too many subscribers")},
+                               {"description": "text/event-stream: one event per run",
+                                "content": {"text/event-stream": {"schema": SSE_EVENT}}},
+                               errors={"400": _err("Malformed Last-Event-ID"), "401": _err("No or bad key"),
+                                       "503": _err("Too many subscribers")},
                                params=[_q("last_event_id", "Resume after this event id", {"type": "integer"})])},
         "/-/shm": {"get": _op("shm_stat", "The shared segment's state", _json({"type": "object"}))},
         "/api/v1/roles": {
