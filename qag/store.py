@@ -18,10 +18,11 @@ import os
 import secrets
 import sqlite3
 import threading
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from qag import store_migrations, timeutil
-from qag.errors import Conflict, InUse, NotFound, SchemaTooNew, SecretKeyProblem, StoreUnavailable
+from qag.errors import Conflict, DomainError, InUse, NotFound, SchemaTooNew, SecretKeyProblem, StoreUnavailable
 
 try:  # the postgres extra
     import psycopg2
@@ -183,7 +184,7 @@ class Store:
                         pass
                     raise
                 return out
-            except (Conflict, NotFound, InUse, StoreUnavailable, SchemaTooNew, SecretKeyProblem):
+            except DomainError:  # a refusal, not a lost connection: no retry
                 raise
             except Exception as exc:
                 if _is_disconnect(exc):
@@ -221,7 +222,7 @@ class Store:
         self.run(lambda c: c.execute("SELECT 1"))
 
     # -- generic helpers ---------------------------------------------------------------------
-    def audit(self, cur: "_Cursor", actor: str, action: str, entity: str, name: str,
+    def audit(self, cur: _Cursor, actor: str, action: str, entity: str, name: str,
               before: dict | None, after: dict | None) -> None:
         # The change's sequence number (migration 2): the counter row stays locked until this transaction
         # commits, so the next change gets the next number only after this one is visible (qag/server/changes.py).
@@ -366,7 +367,8 @@ class Store:
         self.run(q, write=True)
 
     # -- queries -----------------------------------------------------------------------------
-    Q_COLS = "name, connection_name, description, published_version, cache_ttl, latest_version, created_at, updated_at, created_by"
+    Q_COLS = ("name, connection_name, description, published_version, cache_ttl, latest_version, created_at, "
+              "updated_at, created_by")
     V_COLS = "query_name, version, sql_text, parameters, mask, allow_unsafe, description, created_at, created_by"
 
     def _q_row(self, r) -> dict:
