@@ -74,7 +74,7 @@ def _url(text: str) -> str:
 
 
 def _runstore_url(text: str) -> str:
-    if text and not text.split("://", 1)[0] in ("clickhouse", "clickhouses", "chdb", "http", "https", "postgresql",
+    if text and text.split("://", 1)[0] not in ("clickhouse", "clickhouses", "chdb", "http", "https", "postgresql",
                                                  "postgres"):
         raise ValueError("expected clickhouse://, https://, http://, chdb:// or postgresql:// URL")
     return text
@@ -95,7 +95,7 @@ def _http_worker(text: str) -> str:
 
 
 def _redis_url(text: str) -> str:
-    if text and not text.split("://", 1)[0] in ("redis", "rediss", "unix"):
+    if text and text.split("://", 1)[0] not in ("redis", "rediss", "unix"):
         raise ValueError("expected a redis://, rediss:// or unix:// URL")
     return text
 

@@ -7,7 +7,7 @@ sees the whole instance), else an in-process registry.
 from __future__ import annotations
 
 import threading
-from typing import Iterable
+from collections.abc import Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import generate_latest
@@ -26,15 +26,18 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "qag_pool_connections": ("gauge", "Data-database connections of the scraped worker, by connection and state.",
                              ("connection", "state", "slot")),
     "qag_runs_recorded_total": ("counter", "Runs handed to the run ring.", ()),
-    "qag_runs_lost_total": ("counter", "Runs dropped because the run ring was full (recorder stopped, or its journal full); each episode is logged with its reason.", ()),
+    "qag_runs_lost_total": ("counter", ("Runs dropped because the run ring was full (recorder stopped, or its journal "
+                                         "full); each episode is logged with its reason."), ()),
     "qag_ring_occupancy_bytes": ("gauge", "Bytes waiting in each run ring.", ("slot",)),
     "qag_recorder_lag_seconds": ("gauge", "Age of the recorder's last heartbeat.", ()),
     "qag_recorder_batches_total": ("counter", "Batches the recorder committed to the run store.", ()),
     "qag_run_store_up": ("gauge", "1 while the recorder's last write reached the run store, 0 while it is away.", ()),
     "qag_journal_bytes": ("gauge", "Bytes of runs in the recorder's journal not yet in the run store.", ()),
     "qag_journal_runs": ("gauge", "Runs in the recorder's journal not yet in the run store.", ()),
-    "qag_journal_full": ("gauge", "1 while the journal is at QAG_JOURNAL_MAX_BYTES (the rings fill, then runs are lost).", ()),
-    "qag_journal_spilled_runs_total": ("counter", "Runs the recorder put in its journal because the run store was away.", ()),
+    "qag_journal_full": ("gauge", ("1 while the journal is at QAG_JOURNAL_MAX_BYTES (the rings fill, then runs are "
+                                  "lost)."), ()),
+    "qag_journal_spilled_runs_total": ("counter", ("Runs the recorder put in its journal because the run store was "
+                                                    "away."), ()),
     "qag_store_statements_total": ("counter", "Statements sent to the metadata store (zero on a warm call).", ()),
     "qag_generation": ("gauge", "The global generation of the shared segment.", ()),
     "qag_change_watcher_current": ("gauge", ("1 while this host's change watcher is caught up with the metadata "
