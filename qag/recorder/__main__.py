@@ -25,7 +25,8 @@ def main(argv=None) -> int:
     ap.add_argument("--slot", type=int, default=None,
                     help="process slot whose heartbeat this recorder publishes in the segment")
     ap.add_argument("--batch-max", type=int, default=None,
-                    help="most runs per batch (default: the store's hint: 5000 SQLite, 20000 PostgreSQL, 64000 ClickHouse)")
+                    help="most runs per batch (default: the store's hint: 5000 SQLite, 20000 PostgreSQL, "
+                         "64000 ClickHouse)")
     ap.add_argument("--batch-ms", type=int, default=50)
     ap.add_argument("--attach-timeout", type=float, default=10.0,
                     help="seconds to wait for the segment to appear")

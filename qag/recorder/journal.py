@@ -11,8 +11,8 @@ when the store is back. Format (see README.md in this folder, "The run journal")
 
   file header  magic b"QAGJRNL1" | journal id (16 bytes) | start position (u64 LE)
   frame        u32 magic 0x4652514A ("JQRF") | u32 body length | u32 runs | u32 crc32(length, runs, body)
-               | body = msgpack [source, {slot: ring position journaled so far}, [[slot, [[pos_after, payload], ...]], ...],
-                                 replay]
+               | body = msgpack [source, {slot: ring position journaled so far},
+                                 [[slot, [[pos_after, payload], ...]], ...], replay]
                replay: null, or (ClickHouse) the store's own inserts of a batch whose outcome was unknown
                when it was spilled, replayed as they were sent (same ids and deduplication tokens)
 
