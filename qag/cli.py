@@ -13,7 +13,7 @@ def _cfg(args, **over):
         return config.load(**over)
     except config.SettingError as exc:
         print(f"qag: {exc}", file=sys.stderr)
-        raise SystemExit(2)
+        raise SystemExit(2) from None
 
 
 def cmd_serve(args) -> int:
@@ -254,7 +254,8 @@ def main(argv=None) -> int:
     m.set_defaults(fn=cmd_migrate)
     c = sub.add_parser("config", help="show the settings in use")
     c.add_argument("--reference", action="store_true", help="print the settings reference (Markdown)")
-    c.add_argument("--json", action="store_true", help="every setting with its value and source (environment or default)")
+    c.add_argument("--json", action="store_true",
+                   help="every setting with its value and source (environment or default)")
     c.set_defaults(fn=cmd_config)
     for name, fn, hlp in (("export", cmd_export, "write the instance's connections, queries, roles and keys as YAML"),
                           ("apply", cmd_apply, "make the instance match a YAML manifest (prints the diff)")):

@@ -5,7 +5,6 @@ code as a real operator's calls.
 """
 from __future__ import annotations
 
-import json
 import os
 import random
 import secrets

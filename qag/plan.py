@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from qag import connectors, params as P
+from qag import connectors
+from qag import params as P
 from qag.errors import ApiError
 
 try:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import datetime as _dt
 
-UTC = _dt.timezone.utc
+UTC = _dt.UTC
 
 
 def now() -> _dt.datetime:

@@ -234,7 +234,8 @@ class Segment:
             if magic == 0:
                 raise LayoutError(f"segment {name} is not initialised (its creator is still writing it, or died)")
             if magic != L.MAGIC:
-                raise LayoutError(f"segment {name} has magic {magic:#010x}, expected {L.MAGIC:#010x}: not a qag segment")
+                raise LayoutError(f"segment {name} has magic {magic:#010x}, expected {L.MAGIC:#010x}: "
+                                  "not a qag segment")
             if major != L.MAJOR:
                 raise LayoutError(f"segment {name} has layout version {major}.{minor}, but this shm reads version "
                                   f"{L.MAJOR}.{L.MINOR}: major versions differ; restart the instance")
@@ -248,7 +249,8 @@ class Segment:
             sems = (posix_ipc.Semaphore(w), posix_ipc.Semaphore(r))
         except posix_ipc.ExistentialError:
             mm.close()
-            raise LayoutError(f"segment {name} exists but its writer lock {w} does not (a stale, half-removed segment)")
+            raise LayoutError(f"segment {name} exists but its writer lock {w} does not (a stale, half-removed "
+                              "segment)") from None
         seg = cls(name, mm, g)
         seg._sems = sems
         seg._lock = WriterLock(sems[0], sems[1], seg._q, seg._after_takeover)
@@ -362,7 +364,7 @@ class Segment:
         set_ = crc % self._cache_sets
         tags = _TAGS(self._mm, self._tags_off + set_ * L.CACHE_TAG_SET)  # one 32-byte read finds candidates (C5)
         if crc in tags:
-            q, I, mm = self._q, self._i, self._mm
+            q, u32, mm = self._q, self._i, self._mm
             size, room = self._cache_slot_size, self._cache_room
             first = self._cache_off + set_ * _WAYS * size
             for way, tag in enumerate(tags):
@@ -376,8 +378,8 @@ class Segment:
                         continue
                     if _fence:
                         _fence()
-                    k_now = I[i4 + _KEY_LEN_I]
-                    n = k_now + I[i4 + _VALUE_LEN_I]
+                    k_now = u32[i4 + _KEY_LEN_I]
+                    n = k_now + u32[i4 + _VALUE_LEN_I]
                     data = mm[base + _SLOT_HDR:base + _SLOT_HDR + n] if n <= room else b""
                     if _fence:
                         _fence()
@@ -393,30 +395,30 @@ class Segment:
         return None
 
     def _discard_if_odd(self, base: int) -> bool:
-        q, I = self._q, self._i
+        q, u32 = self._q, self._i
         seq = q[base // 8]
         if not seq & 1:
             return False
-        I[(base + L.CS_KEY_LEN) // 4] = 0
-        I[(base + L.CS_VALUE_LEN) // 4] = 0
-        I[(base + L.CS_KEY_CRC) // 4] = 0
+        u32[(base + L.CS_KEY_LEN) // 4] = 0
+        u32[(base + L.CS_VALUE_LEN) // 4] = 0
+        u32[(base + L.CS_KEY_CRC) // 4] = 0
         fence()
         q[base // 8] = seq + 1
-        I[self._tags_i + (base - self._cache_off) // self._cache_slot_size] = 0
+        u32[self._tags_i + (base - self._cache_off) // self._cache_slot_size] = 0
         q[L.H_CACHE_REPAIRS // 8] += 1
         self._recount_used()
         return True
 
     def _recount_used(self) -> None:
         """Rare path (K4): count occupied slots rather than guess what a dead writer had counted."""
-        I = self._i
+        u32 = self._i
         first = self._cache_off // 4 + _KEY_LEN_I
         step = self._cache_slot_size // 4
-        self._q[L.H_CACHE_USED // 8] = sum(1 for j in range(self.geometry.cache_slot_count) if I[first + j * step])
+        self._q[L.H_CACHE_USED // 8] = sum(1 for j in range(self.geometry.cache_slot_count) if u32[first + j * step])
 
     def cache_put(self, key: bytes, value: bytes) -> bool:
         """C2: under the writers' lock; same key overwrites, else an empty way, else the oldest (FIFO per set)."""
-        q, I, mm = self._q, self._i, self._mm
+        q, u32, mm = self._q, self._i, self._mm
         klen, vlen = len(key), len(value)
         if klen == 0:
             raise ValueError("cache key must not be empty")
@@ -432,12 +434,12 @@ class Segment:
             for slot in self._slot_order(crc):
                 base = self._cache_off + slot * size
                 self._discard_if_odd(base)  # a dead writer's leftover (K4), found on the way
-                n = I[(base + L.CS_KEY_LEN) // 4]
+                n = u32[(base + L.CS_KEY_LEN) // 4]
                 if n == 0:
                     if empty < 0:
                         empty = slot
                     continue
-                if (n == klen and I[(base + L.CS_KEY_CRC) // 4] == crc
+                if (n == klen and u32[(base + L.CS_KEY_CRC) // 4] == crc
                         and mm[base + L.CACHE_SLOT_HEADER:base + L.CACHE_SLOT_HEADER + klen] == key):
                     target = slot
                     break
@@ -463,7 +465,7 @@ class Segment:
             mm[start + klen:start + klen + vlen] = value
             fence()
             q[base // 8] = seq + 2  # even again: published
-            I[self._tags_i + target] = crc  # C5: the hint follows the published slot
+            u32[self._tags_i + target] = crc  # C5: the hint follows the published slot
             q[L.L_DIRTY_CACHE_SLOT // 8] = 0
             q[L.H_CACHE_PUTS // 8] = puts
             if filling:

@@ -99,6 +99,7 @@ def home(tmp_path):
 def app_client(home):
     """The app in-process on a fresh SQLite store (single process: LocalGenerations)."""
     import falcon.testing
+
     from qag import config
     from qag.http.app import create_app
     cfg = config.load({"QAG_HOME": home, "QAG_ADMIN_KEY": "adm", "QAG_ALLOW_WRITES": "1"})

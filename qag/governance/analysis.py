@@ -359,7 +359,8 @@ def attribute_calls(sql: str, dialect: str, columns_of, default_schema) -> tuple
     return tuple(c for c in full if c not in base)
 
 
-def called_functions(sql: str, dialect: str, columns_of=None, default_schema=None) -> tuple[tuple[str | None, str], ...]:
+def called_functions(sql: str, dialect: str, columns_of=None,
+                     default_schema=None) -> tuple[tuple[str | None, str], ...]:
     """EVERY function the statement calls: (schema or None, name).
 
     PostgreSQL: as PostgreSQL's parser reads them (Unicode escapes decoded, unquoted names folded, quoted

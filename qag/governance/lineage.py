@@ -572,7 +572,8 @@ class Lineage:
                 if self.find_source(ref, scope) is not None:
                     out |= self.column(ref, scope)
                     continue
-            if isinstance(node, _COMPOSITE_NODES) or (isinstance(node, exp.Func) and func_name(node) in _COMPOSITE_FUNCS):
+            if isinstance(node, _COMPOSITE_NODES) or (isinstance(node, exp.Func)
+                                                      and func_name(node) in _COMPOSITE_FUNCS):
                 inner = set()
                 for v in node.args.values():
                     for x in (v if isinstance(v, list) else [v]):

@@ -60,8 +60,9 @@ def read(sql: str) -> Reading:
         stmts = parse_sql(sql)
         tokens = scan(sql)
     except ParseError as exc:
-        raise GovernanceError(400, "invalid_sql", f"PostgreSQL cannot parse the SQL ({str(exc).splitlines()[0][:200]}); "
-                                                  "fix the statement") from None
+        raise GovernanceError(400, "invalid_sql",
+                              f"PostgreSQL cannot parse the SQL ({str(exc).splitlines()[0][:200]}); "
+                              "fix the statement") from None
     except Exception as exc:  # noqa: BLE001 - anything else the parser raises is still a refusal, never a 500
         raise _refuse(f"{type(exc).__name__}") from None
     stmts = [s for s in stmts if s.stmt is not None]

@@ -362,8 +362,8 @@ def _check_functions(d: str, statements, trust: Trust, functions_of, skip: froze
         many = len(refused) > 1
         why = ""
         if udfs:
-            why = (f" ({', '.join(udfs)} {'are user-defined functions' if len(udfs) > 1 else 'is a user-defined function'}"
-                   ", whose body may read any table)")
+            what = "are user-defined functions" if len(udfs) > 1 else "is a user-defined function"
+            why = f" ({', '.join(udfs)} {what}, whose body may read any table)"
         raise GovernanceError(403, "function_not_allowed",
                               f"this API key may call only functions known to be safe on {_DIALECT_NAMES[d]} and "
                               f"those an administrator marked trusted on the connection; {', '.join(refused)} "

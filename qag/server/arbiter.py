@@ -227,7 +227,8 @@ class ArbiterHooks:
         except shm.LayoutError as exc:  # another running instance owns it: never remove that one's segment
             raise StartFailed(str(exc)) from None
         except (OSError, ValueError) as exc:
-            raise StartFailed(f"cannot create the shared-memory segment {self.segment_name}: {_one_line(exc)}") from None
+            raise StartFailed(f"cannot create the shared-memory segment {self.segment_name}: "
+                              f"{_one_line(exc)}") from None
         try:
             self._start_children(slots)
         except BaseException as exc:

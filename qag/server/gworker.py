@@ -20,8 +20,10 @@ import time
 from collections import deque
 from datetime import datetime
 
-from gunicorn import http, util as gutil
-from gunicorn.http import message as gmessage, wsgi
+from gunicorn import http
+from gunicorn import util as gutil
+from gunicorn.http import message as gmessage
+from gunicorn.http import wsgi
 from gunicorn.workers import gthread
 from gunicorn.workers.gthread import TConn, ThreadWorker
 
@@ -381,7 +383,7 @@ class QagWorker(ThreadWorker):
         except (Exception, SystemExit):
             if resp and resp.headers_sent:
                 self.log.exception("Error handling request")
-                raise StopIteration()
+                raise StopIteration() from None
             raise
         finally:
             try:
@@ -519,7 +521,7 @@ class QagWorker(ThreadWorker):
     def _set_accepting(self, on: bool):
         if on == self._accepting:
             return
-        for fd, listener in self.listen_fds.items():
+        for fd in self.listen_fds:
             if on:
                 self.ep.register(fd, select.EPOLLIN)
             else:
@@ -551,7 +553,7 @@ class QagWorker(ThreadWorker):
             events = self.ep.poll(timeout)
         except InterruptedError:
             return
-        for fd, ev in events:
+        for fd, _ev in events:
             listener = self.listen_fds.get(fd)
             if listener is not None:
                 self._accept(listener)

@@ -347,7 +347,8 @@ def test_plane_sources_stay_inside_the_crate():
             assert crate.resolve() in target.parents, f"{rs}: {m.group(1)} is outside rustplane/"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("dockerfile") is None, reason="dockerfile (BuildKit's parser) not installed")
+@pytest.mark.skipif(importlib.util.find_spec("dockerfile") is None,
+                    reason="dockerfile (BuildKit's parser) not installed")
 def test_buildkit_parser_reads_the_same_instructions():
     """The official parser (PyPI `dockerfile`) agrees with the one these tests use, so the checks above see
     what `docker build` sees."""

@@ -76,7 +76,8 @@ class PrivatePostgres:
 
     def sql(self, sql: str, db: str = "postgres") -> str:
         r = subprocess.run(["psql", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "-d", db, "-At",
-                            "-v", "ON_ERROR_STOP=1", "-c", sql], check=False, capture_output=True, text=True, timeout=60)
+                            "-v", "ON_ERROR_STOP=1", "-c", sql],
+                           check=False, capture_output=True, text=True, timeout=60)
         if r.returncode != 0:
             raise RuntimeError(r.stderr)
         return r.stdout
@@ -130,8 +131,9 @@ class PrivateMariaDB:
         self.sock = os.path.join(self.dir, "sock")
         self.proc: subprocess.Popen | None = None
         user = ["--user=root"] if os.geteuid() == 0 else []
-        subprocess.run(["mariadb-install-db", "--no-defaults", f"--datadir={self.data}", "--auth-root-authentication-method=normal",
-                        "--skip-test-db", *user], check=True, capture_output=True)
+        subprocess.run(["mariadb-install-db", "--no-defaults", f"--datadir={self.data}",
+                        "--auth-root-authentication-method=normal", "--skip-test-db", *user],
+                       check=True, capture_output=True)
         try:
             self.start()
             # mysql-connector and the plane come over TCP as root@127.0.0.1 (not root@localhost)

@@ -2,7 +2,6 @@
 API.md's data-API table, over HTTP against the real PostgreSQL (pgbench schema)."""
 from __future__ import annotations
 
-import datetime as dt
 import json
 import time
 
@@ -241,7 +240,7 @@ def test_502_connection_failed_fast_and_no_password(srv, seeded):
     t0 = time.monotonic()
     r = call(srv, "/q/deadq", secret)
     assert time.monotonic() - t0 < 5
-    b = assert_error(r, 502, "connection_failed")
+    assert_error(r, 502, "connection_failed")
     assert "hunter2" not in r.text
     # the pool recovers when the database comes back: point the connection at the real server
     requests.patch(srv.base + "/api/v1/connections/dead", headers={**srv.admin, **J},

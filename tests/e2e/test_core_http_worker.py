@@ -62,7 +62,7 @@ def test_qag_worker_is_the_default(srv):
 def test_keepalive_and_pipelined_requests_on_one_connection(srv):
     s = raw(srv)
     try:
-        for i in range(50):  # one after another on one connection
+        for _ in range(50):  # one after another on one connection
             s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
             (resp,) = read_responses(s, 1)
             assert resp.startswith(b"HTTP/1.1 200"), resp[:80]

@@ -82,6 +82,7 @@ def test_auto_workers_pinned_one_per_physical_core(pgbench_dsn):
 def test_taskset_limits_workers():
     """Under `taskset -c 0` only one worker starts, pinned to CPU 0."""
     import tempfile
+
     from tests.conftest import free_port
     port = free_port()
     env = dict(os.environ, QAG_HOME=tempfile.mkdtemp(), QAG_ADMIN_KEY="a", QAG_BIND=f"127.0.0.1:{port}")

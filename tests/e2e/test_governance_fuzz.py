@@ -373,8 +373,8 @@ def end_sessions(d):
         pg_exec(PG_ADMIN_DSN, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s "
                               "AND pid <> pg_backend_pid()", (PG_DB,))
     elif d == "mysql":
-        for (cid,) in mysql_exec("SELECT ID FROM information_schema.PROCESSLIST WHERE DB = %s AND ID <> CONNECTION_ID()",
-                                 (MY_DB,)) or []:
+        for (cid,) in mysql_exec("SELECT ID FROM information_schema.PROCESSLIST "
+                                 "WHERE DB = %s AND ID <> CONNECTION_ID()", (MY_DB,)) or []:
             try:
                 mysql_exec(f"KILL {int(cid)}")
             except mysql.connector.Error:  # it ended on its own meanwhile
@@ -840,10 +840,12 @@ def relations(draw, d):
         common += [
             "SELECT fz_token(1)", "SELECT public.fz_token(2)", "SELECT * FROM fz_tokens()",
             "SELECT c.fz_email FROM customers c", "SELECT fz_email(c) FROM customers c",
-            "SELECT U&\"fz\\005ftoken\"(3)", "SELECT histogram_bounds::text FROM pg_stats WHERE tablename = 'customers'",
+            "SELECT U&\"fz\\005ftoken\"(3)",
+            "SELECT histogram_bounds::text FROM pg_stats WHERE tablename = 'customers'",
             "SELECT most_common_vals::text FROM pg_catalog.pg_stats", "SELECT * FROM \"pg_stats\"",
             "SELECT * FROM PG_STATS", "SELECT query FROM pg_stat_activity", "SELECT * FROM pg_stat_get_activity(NULL)",
-            "SELECT (pg_stat_get_activity(NULL)).query", "SELECT query_to_xml('SELECT token FROM secrets', true, true, '')",
+            "SELECT (pg_stat_get_activity(NULL)).query",
+            "SELECT query_to_xml('SELECT token FROM secrets', true, true, '')",
             "SELECT ts_rewrite('a'::tsquery, 'SELECT ''a''::tsquery, token::tsquery FROM secrets')::text",
             "SELECT pg_read_file('PG_VERSION')", "SELECT U&\"pg\\005fread\\005ffile\"('PG_VERSION')",
             "SELECT * FROM pg_ls_dir('.')",
@@ -1034,7 +1036,8 @@ def deep(draw, d):
             "SELECT {c} FROM customers TABLESAMPLE BERNOULLI (100)",
             "SELECT jsonb_path_query(jsonb_build_object('e', {c}), '$.e') FROM customers",
             "SELECT xmlagg(xmlelement(name x, {c}))::text FROM customers",
-            "SELECT xmlforest({c})::text FROM customers", "SELECT string_agg(DISTINCT {c}, ',' ORDER BY {c}) FROM customers",
+            "SELECT xmlforest({c})::text FROM customers",
+            "SELECT string_agg(DISTINCT {c}, ',' ORDER BY {c}) FROM customers",
             "SELECT {c} FROM customers ORDER BY {c} USING <", "SELECT CAST(ROW({c}) AS text) FROM customers",
             "SELECT {c}::text::bytea::text FROM customers", "SELECT ARRAY(SELECT {c} FROM customers)::text",
             "SELECT (SELECT array_agg({c}) FROM customers)::text", "SELECT {c} FROM ONLY customers",
@@ -1084,7 +1087,8 @@ def deep(draw, d):
             "SELECT substr({c}, 1) FROM customers", "SELECT {c} ->> '$' FROM customers",
             "SELECT json_extract(json_object('e', {c}), '$.e') FROM customers", "SELECT likely({c}) FROM customers",
             "SELECT unlikely({c}) FROM customers", "SELECT {c} FROM customers WHERE id IN (1, 2)",
-            "SELECT * FROM (SELECT {c} AS name FROM customers)", "SELECT column1 FROM (VALUES ((SELECT {c} FROM customers)))",
+            "SELECT * FROM (SELECT {c} AS name FROM customers)",
+            "SELECT column1 FROM (VALUES ((SELECT {c} FROM customers)))",
             "SELECT * FROM customers",
         ]
     return draw(st.sampled_from(t)).replace("{c}", c)

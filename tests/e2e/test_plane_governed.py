@@ -45,7 +45,8 @@ def stack():
                              "sql": "SELECT row_to_json(c) AS r FROM customers c WHERE id = :id",
                              "parameters": {"id": "int"}})
     srv.keys = {
-        "plain": post("/api/v1/api-keys", {"name": "rust_plain", "queries": ["*"], "connections": ["gov_pg"]})["secret"],
+        "plain": post("/api/v1/api-keys",
+                      {"name": "rust_plain", "queries": ["*"], "connections": ["gov_pg"]})["secret"],
         "masked": post("/api/v1/api-keys", {"name": "rust_masked", "queries": ["*"], "connections": ["gov_pg"],
                                             "mask": [{"column": "customers.email", "action": "mask"}]})["secret"],
     }

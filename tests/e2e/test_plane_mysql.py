@@ -58,13 +58,15 @@ QUERIES = {
     "flags": ("SELECT id, ok, m FROM items WHERE ok = :ok AND m = :m ORDER BY id",
               {"ok": "bool", "m": {"type": "str", "enum": ["sad", "ok", "happy"]}}),
     "named": ("SELECT id, name AS who, :greeting AS greeting FROM items WHERE name LIKE :pat ORDER BY id",
-              {"greeting": {"type": "str", "default": "hello", "max_length": 12}, "pat": {"type": "str", "min_length": 1}}),
+              {"greeting": {"type": "str", "default": "hello", "max_length": 12},
+               "pat": {"type": "str", "min_length": 1}}),
     "stats": (("SELECT code, COUNT(*) AS n, SUM(price) AS total, AVG(ratio) AS avg_ratio, MAX(created) AS last, "
                "ROUND(AVG(r4), 3) AS r3, MIN(at) AS first_at FROM items WHERE id <= :hi GROUP BY code ORDER BY code"),
               {"hi": {"type": "int", "default": 500}}),
     # a float goes into the statement as mysql-connector writes it (repr): 0.1 is a DECIMAL literal to the server,
     # 1e+16 a DOUBLE, and the echoed column shows which
-    "scaled": ("SELECT id, price * :f AS scaled, :f AS f, :label AS label FROM items WHERE ratio > :f ORDER BY id LIMIT 7",
+    "scaled": ("SELECT id, price * :f AS scaled, :f AS f, :label AS label FROM items "
+               "WHERE ratio > :f ORDER BY id LIMIT 7",
                {"f": {"type": "float", "required": True}, "label": {"type": "str", "default": "x"}}),
     "session": ("SELECT @@session.tx_read_only AS ro, @@session.max_statement_time AS mst", {}),
     # more than one row from a scalar subquery: an error at execution (500), not at prepare
@@ -143,7 +145,8 @@ def test_mysql_differential_byte_identical(mysql_stack):
     diffs, rids = [], []
     for i in range(pairs):
         path = paths[i] if i < len(paths) else _random_path(rnd)
-        who = rnd.choice(["plain", "plain", "gov", "gov", "fenced", "bogus"]) if i >= len(paths) else ["plain", "gov"][i % 2]
+        who = (rnd.choice(["plain", "plain", "gov", "gov", "fenced", "bogus"]) if i >= len(paths)
+               else ["plain", "gov"][i % 2])
         rid_p, rid_y = f"m{i}-p", f"m{i}-y"
         a = _call(plane, path, {"X-API-Key": srv.keys[who], "X-Request-Id": rid_p})
         b = _call(direct, path, {"X-API-Key": srv.keys[who], "X-Request-Id": rid_y})

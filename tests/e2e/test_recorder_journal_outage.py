@@ -375,7 +375,8 @@ def test_clickhouse_store_away_longer_than_the_rings_hold():
     try:
         # the loopback server answers an insert in ~0.1-1 s on a busy machine: the default spill delay
         # and rings that hold a few seconds of these calls (4 MiB segment: 128 KiB rings), not one
-        srv = start_server({**SMALL, "QAG_RUN_STORE_URL": ch.url, "QAG_LOG_LEVEL": os.environ.get("QAG_TEST_LOG", "info"),
+        srv = start_server({**SMALL, "QAG_RUN_STORE_URL": ch.url,
+                            "QAG_LOG_LEVEL": os.environ.get("QAG_TEST_LOG", "info"),
                             "QAG_JOURNAL_SPILL_AFTER_MS": "1000", "QAG_SHM_SIZE": str(4 << 20)})
         key = setup(srv)
         try:

@@ -154,8 +154,9 @@ class PrivateMariaDB(Instance):
         self.data = os.path.join(self.dir, "data")
         self.sock = os.path.join(self.dir, "my.sock")
         self.port = free_port()
-        subprocess.run(["mariadb-install-db", f"--datadir={self.data}", "--user=root", "--auth-root-authentication-method=normal",
-                        "--skip-test-db", "--no-defaults"], check=True, capture_output=True)
+        subprocess.run(["mariadb-install-db", f"--datadir={self.data}", "--user=root",
+                        "--auth-root-authentication-method=normal", "--skip-test-db", "--no-defaults"],
+                       check=True, capture_output=True)
         self.proc = None
         self.start()
 

@@ -30,7 +30,8 @@ def seeded(app_client, tmp_path):
     post(c, "/api/v1/connections", {"name": "pg", "db": "postgres", "host": "127.0.0.1", "port": 5432,
                                     "user": "postgres", "database": "postgres"})
     post(c, "/api/v1/queries", {"name": "person", "connection_name": "eu", "publish": True,
-                                "sql": "SELECT id, name, email FROM people WHERE id = :id", "parameters": {"id": "int"}})
+                                "sql": "SELECT id, name, email FROM people WHERE id = :id",
+                                "parameters": {"id": "int"}})
     k = post(c, "/api/v1/api-keys", {"name": "both", "queries": ["person"], "connections": ["eu", "us", "pg"],
                                      "mask": [{"column": "people.email", "action": "null"}]}).json["secret"]
     only = post(c, "/api/v1/api-keys", {"name": "eu_only", "queries": ["person"], "connections": ["eu"]}).json["secret"]
@@ -60,7 +61,8 @@ def test_refusals(seeded):
     assert r.status_code == 400 and r.json["code"] == "connection_mismatch"
     r = c.simulate_get("/q/person", query_string="id=1&connection_name=nope", headers=A)
     assert r.status_code == 404 and r.json["code"] == "connection_not_found"
-    r = c.simulate_post("/api/v1/queries", json={"name": "bad", "connection_name": "eu", "sql": "SELECT :connection_name",
+    r = c.simulate_post("/api/v1/queries", json={"name": "bad", "connection_name": "eu",
+                                                 "sql": "SELECT :connection_name",
                                                  "parameters": {"connection_name": "str"}},
                         headers=A)
     assert r.status_code == 400, "connection_name is a reserved name, not a parameter"

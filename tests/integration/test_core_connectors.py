@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from qag import config, connectors, params as P
+from qag import config, connectors
+from qag import params as P
 from qag.connectors import QueryFailed
 from qag.errors import Timeout, Unreachable
 from qag.http.errors import status_of

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import time
 
 import falcon.testing
 import pytest
@@ -124,7 +123,8 @@ def test_versions_immutable_publish_and_delete(app_client, sqlite_db):
 def test_keys_secret_once_rotate_with_grace_delete(app_client, sqlite_db, home):
     c = app_client
     post(c, "/api/v1/connections", {"name": "lite", "db": "sqlite", "database": sqlite_db}, 201)
-    post(c, "/api/v1/queries", {"name": "q", "connection_name": "lite", "sql": "SELECT count(*) AS n FROM t", "publish": True}, 201)
+    post(c, "/api/v1/queries", {"name": "q", "connection_name": "lite", "sql": "SELECT count(*) AS n FROM t",
+                                "publish": True}, 201)
     r = post(c, "/api/v1/api-keys", {"name": "k", "queries": ["q"], "rate_limit": "100/minute"}, 201)
     assert r.headers["Cache-Control"] == "no-store"
     old = r.json["secret"]

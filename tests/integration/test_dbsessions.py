@@ -35,7 +35,8 @@ def pg():
 
 
 @pytest.mark.parametrize("change, probe, clean", [
-    ("SELECT set_config('search_path', 'evil', false)", "SELECT current_setting('search_path')", [('"$user", public',)]),
+    ("SELECT set_config('search_path', 'evil', false)", "SELECT current_setting('search_path')",
+     [('"$user", public',)]),
     ("SELECT set_config('statement_timeout', '0', false)", "SELECT current_setting('statement_timeout')", [("2s",)]),
     ("SELECT set_config('default_transaction_read_only', 'off', false)",
      "SELECT current_setting('default_transaction_read_only')", [("on",)]),

@@ -156,7 +156,8 @@ def test_pg_unnamed_expression_in_a_derived_table_answers(pgc):
 
 def test_pg_whole_row_forms_are_refused(pgc):
     for sql in ("SELECT c.row_to_json FROM customers c", "SELECT row_to_json(c) FROM customers c",
-                "SELECT c FROM customers c", "SELECT to_jsonb(c) FROM customers c", "SELECT json_agg(c) FROM customers c"):
+                "SELECT c FROM customers c", "SELECT to_jsonb(c) FROM customers c",
+                "SELECT json_agg(c) FROM customers c"):
         assert "ada@example.com" in str(pg_rows(pgc, sql)[1])
         with pytest.raises(GovernanceError) as ei:
             governed(sql, "postgres", pg_columns(pgc), "public")

@@ -75,7 +75,8 @@ def test_postgresql_functions_off_the_allow_list(pg_app):
                          "TRIM(BOTH 'A' FROM name) AS t, POSITION('o' IN name) AS p, "
                          "(timestamp '2026-11-30 12:00' AT TIME ZONE 'UTC')::text AS u, "
                          "(date '2026-01-01', date '2026-02-01') OVERLAPS (date '2026-01-15', date '2026-03-01') AS o, "
-                         "name COLLATE \"C\" AS n, lower(name) AS l, md5(email) AS m, pg_size_pretty(1024::bigint) AS z "
+                         "name COLLATE \"C\" AS n, lower(name) AS l, md5(email) AS m, "
+                         "pg_size_pretty(1024::bigint) AS z "
                          "FROM customers ORDER BY id")
     plain, listed, masked = keys(c, ["rewrite", "activity", "setting", "udf", "standard"], ["customers"],
                                  "customers.email")
@@ -241,9 +242,11 @@ def test_postgresql_view_created_after_the_catalogue_was_read(pg_app):
     c = pg_app
     # Saving checks the statement against the database (an unknown relation is 400 at save), except on an
     # inactive connection: that is how an operator saves a query ahead of its relation.
-    assert c.simulate_patch("/api/v1/connections/db", json={"active": False, "options": {"allow_superuser": True}}, headers=ADM).status_code == 200
+    assert c.simulate_patch("/api/v1/connections/db", json={"active": False, "options": {"allow_superuser": True}},
+                            headers=ADM).status_code == 200
     query(c, "later", "SELECT id, contact FROM later_contacts ORDER BY id")
-    assert c.simulate_patch("/api/v1/connections/db", json={"active": True, "options": {"allow_superuser": True}}, headers=ADM).status_code == 200
+    assert c.simulate_patch("/api/v1/connections/db", json={"active": True, "options": {"allow_superuser": True}},
+                            headers=ADM).status_code == 200
     query(c, "known", "SELECT id, contact FROM contacts ORDER BY id")
     _, _, masked = keys(c, ["later", "known"], ["customers"], "customers.email")
     assert call(c, masked, "known").json[0]["contact"] == "a***@example.com"   # the catalogue is read now

@@ -27,9 +27,10 @@ def client():
     dsn = PG_ADMIN_DSN.rsplit("/", 1)[0] + "/" + DB
     # the premise: this database does not sort names as Python does
     assert [r[0] for r in pg_exec(dsn, "SELECT x FROM unnest(%s::text[]) x ORDER BY x", (NAMES,))] != sorted(NAMES)
+    import tempfile
+
     from qag import config
     from qag.http.app import create_app
-    import tempfile
     cfg = config.load({"QAG_HOME": tempfile.mkdtemp(prefix="qag-ops-paging-"), "QAG_ADMIN_KEY": "adm",
                        "QAG_DATABASE_URL": dsn})
     app = create_app(cfg)

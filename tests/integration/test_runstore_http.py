@@ -21,7 +21,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 TRANSPORT = {"query", "database", "session_id", "session_timeout", "session_check", "compress", "decompress",
              "default_format", "query_id", "wait_end_of_query", "user", "password", "buffer_size",
              "enable_http_compression", "http_headers_progress_interval_ms", "send_progress_in_http_headers",
-             "client_protocol_version", "quota_key", "role", "http_zlib_compression_level", "cancel_http_readonly_queries_on_client_close"}
+             "client_protocol_version", "quota_key", "role", "http_zlib_compression_level",
+             "cancel_http_readonly_queries_on_client_close"}
 _FORMAT_AT_END = re.compile(r"\s+FORMAT\s+(\w+)\s*;?\s*$", re.IGNORECASE)
 _INSERT_FORMAT = re.compile(r"^(\s*INSERT\s+INTO\s+.*?)\s+FORMAT\s+(\w+)\s*$", re.IGNORECASE | re.DOTALL)
 

@@ -61,7 +61,7 @@ def test_ring_across_processes_nothing_lost_or_torn(seg):
     while any(p.is_alive() for p in procs) or any(r.head != r.tail for r in rings.values()):
         for s, r in rings.items():
             recs = r.read(500)
-            for pos, payload in recs:
+            for _pos, payload in recs:
                 slot, i = check(payload)
                 assert (slot, i) == (s, expect[s]), "lost, duplicated or reordered record"
                 expect[s] += 1

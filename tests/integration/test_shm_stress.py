@@ -1,4 +1,5 @@
-"""Multi-process stress of the segment (LAYOUT.md [Memory ordering]): torn reads detected, SIGKILL mid-write survived."""
+"""Multi-process stress of the segment (LAYOUT.md [Memory ordering]): torn reads detected, SIGKILL mid-write
+survived."""
 from __future__ import annotations
 
 import hashlib

@@ -2,7 +2,8 @@
 unchanged (bound by the driver, never spliced)."""
 import sqlite3
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from qag import params as P
 

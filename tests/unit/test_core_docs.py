@@ -13,8 +13,8 @@ def test_every_metric_documented_in_readme():
 
 def test_every_route_in_openapi(tmp_path):
     from qag import config
-    from qag.http.openapi import DOC_ASSET_ROUTES, static_paths
     from qag.http.app import create_app
+    from qag.http.openapi import DOC_ASSET_ROUTES, static_paths
     app = create_app(config.load({"QAG_HOME": str(tmp_path)}))
     routes = set()
 

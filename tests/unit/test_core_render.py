@@ -42,4 +42,4 @@ def test_a_json_value_in_csv_and_tsv_is_its_json_text_not_pythons_repr():
     from qag import formats, render
     row = [({"v": 1, "é": [1, None]}, [1, "a"])]
     assert render.render_csv(["d", "a"], row) == 'd,a\r\n"{""v"":1,""é"":[1,null]}","[1,""a""]"\r\n'.encode()
-    assert formats.render_tsv(["d"], [({"v": True},)]) == 'd\r\n"{""v"":true}"\r\n'.encode()
+    assert formats.render_tsv(["d"], [({"v": True},)]) == b'd\r\n"{""v"":true}"\r\n'

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from qag import config
-from qag.http.app import call_options
 from qag.connectors import limit_ms, state_free
 from qag.errors import ApiError
+from qag.http.app import call_options
 
 CFG = config.load({"QAG_QUERY_TIMEOUT": "30"})
 

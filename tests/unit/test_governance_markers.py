@@ -190,7 +190,7 @@ def test_ordinary_statements_compile_as_before():
     sql = "SELECT a FROM t WHERE a BETWEEN :start AND :start + 99 AND b LIKE 'x%' AND c = :c -- :no\n"
     assert P.compile_native(sql, "postgres")[0] == \
         "SELECT a FROM t WHERE a BETWEEN $1 AND $2 + 99 AND b LIKE 'x%' AND c = $3 -- :no\n"
-    assert P.split_at_markers(sql, "mysql") == ["SELECT a FROM t WHERE a BETWEEN ", " AND ", " + 99 AND b LIKE 'x%' AND c = ",
-                                                " -- :no\n"]
+    assert P.split_at_markers(sql, "mysql") == ["SELECT a FROM t WHERE a BETWEEN ", " AND ",
+                                                " + 99 AND b LIKE 'x%' AND c = ", " -- :no\n"]
     assert P.neutralize(sql, "sqlite") == \
         "SELECT a FROM t WHERE a BETWEEN NULL AND NULL + 99 AND b LIKE 'x%' AND c = NULL -- :no\n"

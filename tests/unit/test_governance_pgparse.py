@@ -34,7 +34,8 @@ def _escape(text: str, esc: str) -> str:
 def test_unicode_escaped_names_and_literals_decode_as_postgresql_does(name, esc, comment):
     body = _escape(name, esc)
     uesc = (" /* c */" if comment else "") + f" UESCAPE '{esc}'" if esc != "\\" else ""
-    sql = f"SELECT U&'{body.replace(chr(39), chr(39) * 2)}'{uesc} AS v, x.U&\"{body.replace(chr(34), chr(34) * 2)}\"{uesc} FROM x"
+    quoted, ident = body.replace(chr(39), chr(39) * 2), body.replace(chr(34), chr(34) * 2)
+    sql = f"SELECT U&'{quoted}'{uesc} AS v, x.U&\"{ident}\"{uesc} FROM x"
     try:
         tree = pglast.parse_sql(sql)
     except pglast.parser.ParseError:

@@ -56,7 +56,8 @@ def test_header_identity_fields():
 def test_header_geometry_line_and_small_profile():
     """[Geometry] small profile (< 16 MiB) and [Header] line 1 values."""
     g = struct.unpack_from("<12I", SEG, 64)
-    gen_slots, cache_slot_count, cache_slot_size, ways, ring_cap, ring_hdr, series_max, entry, cells, meta, hb, stride = g
+    (gen_slots, cache_slot_count, cache_slot_size, ways, ring_cap, ring_hdr, series_max, entry, cells, meta, hb,
+     stride) = g
     assert (gen_slots, series_max, cells) == (256, 128, 1024)
     assert (cache_slot_size, ways, ring_hdr, entry, meta, hb) == (4096, 8, 128, 256, 64, 17)
     assert cache_slot_count % 8 == 0
