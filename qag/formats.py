@@ -1,8 +1,9 @@
-"""The formats beyond JSON, NDJSON and CSV: TSV, XML, YAML, XLSX and Parquet, and the column types they need.
+"""The formats beyond JSON, NDJSON, CSV and TSV (qag/render.py): XML, YAML, XLSX and Parquet, and the column types
+they need.
 
-TSV and XML are the standard library's; YAML (PyYAML), XLSX (openpyxl) and Parquet (pyarrow) are the optional
+XML is the standard library's; YAML (PyYAML), XLSX (openpyxl) and Parquet (pyarrow) are the optional
 extra `formats` (`pip install 'qag[formats]'`): a format whose library is missing is 501 `format_unavailable`
-naming the extra, never a 500. Values keep qag's normative text (qag/render.py) wherever a format carries text;
+naming the extra, never a 500. Values keep qag's normative text (qag/values.py) wherever a format carries text;
 XLSX and Parquet keep the value's own type: Parquet's schema comes from the cursor's column types
 (`ColumnTypes`), not from the values, except where the driver reports none (SQLite) or a value no longer has
 its column's type (a masked column is text).
@@ -17,6 +18,7 @@ import re
 from collections.abc import Iterator
 
 from qag.errors import ApiError
+from qag.values import csv_value, json_value
 
 EXTRA = "formats"
 
@@ -89,29 +91,16 @@ def available(fmt: str) -> None:
 # -- text forms ----------------------------------------------------------------------------------------------
 def _plain(v):
     """A value as the JSON renderer writes it, as a Python value (str, int, float, bool, None, list, dict)."""
-    from qag.render import _default
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
     if isinstance(v, (list, dict)):
         return v
-    return _default(v)
+    return json_value(v)
 
 
 def _text(v) -> str:
-    from qag.render import _csv_value
-    t = _csv_value(v)
+    t = csv_value(v)
     return t if isinstance(t, str) else repr(t) if isinstance(t, float) else str(t)
-
-
-# -- TSV ----------------------------------------------------------------------------------------------------
-def render_tsv(columns, rows) -> bytes:
-    from qag.render import render_csv
-    return render_csv(columns, rows, delimiter="\t")
-
-
-def stream_tsv(columns, batches) -> Iterator[bytes]:
-    from qag.render import stream_csv
-    return stream_csv(columns, batches, delimiter="\t")
 
 
 # -- XML -----------------------------------------------------------------------------------------------------
@@ -315,13 +304,13 @@ def stream_parquet(columns, batches, types=None) -> Iterator[bytes]:
         yield chunk
 
 
-CONTENT_TYPES = {"tsv": "text/tab-separated-values; charset=utf-8", "xml": "application/xml; charset=utf-8",
+CONTENT_TYPES = {"xml": "application/xml; charset=utf-8",
                  "yaml": "application/yaml; charset=utf-8",
                  "xlsx": "application/vnd.openxmlformats-officedocument.spreadsheetml.sheet",
                  "parquet": "application/vnd.apache.parquet"}
-RENDERERS = {"tsv": render_tsv, "xml": render_xml, "yaml": render_yaml, "xlsx": render_xlsx,
+RENDERERS = {"xml": render_xml, "yaml": render_yaml, "xlsx": render_xlsx,
              "parquet": render_parquet}
-STREAMERS = {"tsv": stream_tsv, "parquet": stream_parquet}
+STREAMERS = {"parquet": stream_parquet}
 TYPED = frozenset(("parquet",))  # renderers that take the column types
 # Answers a browser should save rather than show: files by nature, and every stream.
 DOWNLOADS = frozenset(("csv", "tsv", "xlsx", "parquet"))

@@ -1,9 +1,15 @@
 """Formats: JSON in select-list order, NDJSON, CSV; empty results are not special."""
 import datetime as dt
 import decimal
+import enum
 import json
+import uuid
 
-from qag import render
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qag import formats, render
 
 
 def test_json_order_and_types():
@@ -39,7 +45,99 @@ def test_unicode_not_escaped():
 
 
 def test_a_json_value_in_csv_and_tsv_is_its_json_text_not_pythons_repr():
-    from qag import formats, render
     row = [({"v": 1, "é": [1, None]}, [1, "a"])]
     assert render.render_csv(["d", "a"], row) == 'd,a\r\n"{""v"":1,""é"":[1,null]}","[1,""a""]"\r\n'.encode()
-    assert formats.render_tsv(["d"], [({"v": True},)]) == b'd\r\n"{""v"":true}"\r\n'
+    assert render.render_tsv(["d"], [({"v": True},)]) == b'd\r\n"{""v"":true}"\r\n'
+
+
+# -- the fast path (orjson) writes the standard library's bytes -------------------------------------------------
+
+class _Color(enum.Enum):
+    RED = 1
+
+
+class _Str(str):
+    pass
+
+
+_TZ = dt.timezone(dt.timedelta(hours=-3, minutes=-30))
+CORPUS = [
+    0, 1, -1, 2 ** 63 - 1, -2 ** 63, 2 ** 64 - 1, 2 ** 64, -2 ** 63 - 1, 10 ** 30, True, False, None,
+    "", "x", "Zoë 😀", "\x00\x01\x1f\x7f\u2028\u2029", '"\\/\b\f\n\r\t', "a,b\r\n\"c\"", "\ud800",
+    decimal.Decimal("1.50"), decimal.Decimal("12"), decimal.Decimal("-0"), decimal.Decimal("1E+3"),
+    decimal.Decimal("1E-7"), decimal.Decimal("0.00001"), decimal.Decimal("123456789012345678901234.5"),
+    decimal.Decimal(2 ** 63), decimal.Decimal("NaN"), decimal.Decimal("Infinity"), decimal.Decimal("-1E+400"),
+    dt.datetime(2026, 11, 30, 6, 59, 53), dt.datetime(2026, 11, 30, 6, 59, 53, 123000, tzinfo=dt.UTC),
+    dt.datetime(1, 1, 1, tzinfo=_TZ), dt.date(2026, 2, 28), dt.time(6, 59), dt.time(6, 59, 1, 5, tzinfo=_TZ),
+    dt.timedelta(days=1, microseconds=3), b"", b"\x00\xff", bytearray(b"\x01"), memoryview(b"\x02\x03"),
+    uuid.UUID("12345678-1234-5678-1234-567812345678"), {"b", "a"},
+    1.0, 0.1, 1e-05, 1e16, -0.0, 5e-324, float("nan"), float("inf"),
+    {"v": 1.5e-7, "é": [1, None]}, [1, "a", 1e-05], (1, 2), {1: "int key"}, _Color.RED, _Str("sub"),
+]
+
+
+def _both(fn, cols, rows, monkeypatch):
+    """fn's output (or exception type) on the fast path and on the standard library's."""
+    def one():
+        try:
+            return fn(cols, rows)
+        except Exception as exc:  # noqa: BLE001 - the same failure is part of the contract
+            return type(exc)
+    fast = one()
+    with monkeypatch.context() as m:
+        m.setattr(render, "_orjson", None)
+        slow = one()
+    return fast, slow
+
+
+@pytest.mark.skipif(render._orjson is None, reason="orjson not installed: there is one path only")
+@pytest.mark.parametrize("fn", [render.render_json, render.render_ndjson, render.render_csv])
+def test_fast_path_bytes_are_the_standard_librarys(fn, monkeypatch):
+    for v in CORPUS:
+        fast, slow = _both(fn, ["a", "b"], [(v, 1), (2, v)], monkeypatch)
+        assert fast == slow, (v, fast, slow)
+    # the whole corpus in one result, with and without the connector's declared column types
+    rows = [tuple(CORPUS[i:i + 3]) for i in range(0, len(CORPUS) - 2)]
+    for cols in (["x", "y", "z"], formats.Columns(["x", "y", "z"], [None, formats.TEXT, formats.JSON])):
+        fast, slow = _both(fn, cols, rows, monkeypatch)
+        assert fast == slow
+
+
+@pytest.mark.skipif(render._orjson is None, reason="orjson not installed: there is one path only")
+def test_declared_types_skip_the_scan_but_keep_the_bytes(monkeypatch):
+    cols = formats.Columns(["i", "d", "t", "b", "s"],
+                           [formats.INT, formats.DECIMAL, formats.TIMESTAMPTZ, formats.BYTES, formats.TEXT])
+    rows = [(i, decimal.Decimal(i) / 8, dt.datetime(2026, 1, 1, tzinfo=dt.UTC), b"\x01", f"r{i}")
+            for i in range(300)] + [(None, None, None, None, None)]
+    for fn in (render.render_json, render.render_ndjson, render.render_csv):
+        fast, slow = _both(fn, cols, rows, monkeypatch)
+        assert fast == slow and isinstance(fast, bytes)
+    assert render._fast(cols, rows)
+    assert not render._fast(["f"], [(1.5,)])   # a float takes the standard path
+    assert not render._fast(["a", "b"], [(1, 2), (3,)])   # so do ragged rows
+
+
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.text(), st.floats(allow_nan=True),
+                     st.decimals(allow_nan=True), st.datetimes(timezones=st.none() | st.timezones()),
+                     st.dates(), st.binary(max_size=8), st.uuids())
+
+
+@pytest.mark.skipif(render._orjson is None, reason="orjson not installed: there is one path only")
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(_scalars, _scalars), max_size=6))
+def test_fast_path_property(rows):
+    mp = pytest.MonkeyPatch()
+    try:
+        for fn in (render.render_json, render.render_ndjson, render.render_csv):
+            fast, slow = _both(fn, ["a", "b"], rows, mp)
+            assert fast == slow
+    finally:
+        mp.undo()
+
+
+def test_streams_match_renderers_on_typed_and_mixed_columns():
+    cols = formats.Columns(["i", "d", "f"], [formats.INT, formats.DECIMAL, formats.FLOAT])
+    rows = [(i, decimal.Decimal(i) / 4, i / 3) for i in range(1100)]
+    batches = [rows[i:i + 500] for i in range(0, 1100, 500)]
+    assert b"".join(render.stream_csv(cols, iter(batches))) == render.render_csv(cols, rows)
+    assert b"".join(render.stream_ndjson(cols, iter(batches))) == render.render_ndjson(cols, rows)

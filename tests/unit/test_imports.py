@@ -19,7 +19,6 @@ HTTP_IMPORTERS = ("qag.server", "qag.demo")
 PENDING = {
     "qag/http/app.py and the route modules it imports back (the http split)":
         lambda knot: all(m.startswith("qag.http.") for m in knot),
-    "qag/render.py and qag/formats.py": lambda knot: set(knot) == {"qag.formats", "qag.render"},
 }
 
 
