@@ -12,8 +12,11 @@ import uuid
 import harness as H
 import targets as T
 
-BLOCKS = ('dbonly', 'throughput', 'latency', 'governance', 'openloop', 'forward', 'workers', 'threads', 'recording',
-          'roundtrips', 'profile')
+BLOCKS = ('dbonly', 'throughput', 'latency', 'governance', 'rows', 'openloop', 'forward', 'workers', 'threads',
+          'recording', 'roundtrips', 'profile')
+ROWS_LIST, ROWS_FORMATS = (1, 10, 100, 1000), ('json', 'ndjson', 'csv')
+# the smoke run's rows cells: each format's per-row path (the other blocks' calls are one row or a hundred)
+SMOKE_ROWS = ((1000, 'json'), (1000, 'ndjson'), (1000, 'csv'))
 OPEN_FRACTIONS = (0.25, 0.50, 0.75, 0.90, 1.00, 1.10)
 
 
@@ -41,6 +44,8 @@ def parse_args(description, default_out, extra=None, db_floor='floor_pg'):
     p.add_argument('--scale-callers', type=int, default=64, help='callers in the workers block')
     p.add_argument('--workers-list', default='', help='worker counts for the workers block (default 1..#gateway CPUs)')
     p.add_argument('--threads-list', default='1,2,4,8')
+    p.add_argument('--rows-list', default=','.join(map(str, ROWS_LIST)), help='rows per call in the rows block')
+    p.add_argument('--rows-formats', default=','.join(ROWS_FORMATS), help='formats in the rows block')
     p.add_argument('--roundtrip-rounds', type=int, default=1, help='rounds of the roundtrips block (counts, not timings)')
     p.add_argument('--settle', type=float, default=11.0,
                    help='seconds to wait for PostgreSQL to publish idle backends\' statistics (roundtrips block)')
@@ -62,6 +67,9 @@ def parse_args(description, default_out, extra=None, db_floor='floor_pg'):
         opts.duration, opts.warmup, opts.open_duration, opts.health_secs = 1.5, 0.3, 1.0, 0.5
         opts.settle = 1.0
         opts.threads_list = '1,8'
+    opts.rows_cells = [(int(n), f) for f in opts.rows_formats.split(',') for n in opts.rows_list.split(',')]
+    if opts.smoke:
+        opts.rows_cells = list(SMOKE_ROWS)
     opts.open_rounds = opts.open_rounds or opts.rounds
     opts.open_fractions = tuple(float(f) for f in opts.open_fractions.split(',') if f.strip()) or OPEN_FRACTIONS
     for b in opts.blocks:
@@ -78,8 +86,10 @@ def parse_args(description, default_out, extra=None, db_floor='floor_pg'):
 class Bench:
     """One session of one harness: targets, the results file, the floors around each block."""
 
-    def __init__(self, opts, harness_name, workload, calls, db_comms, roundtrip_counter=None, dbonly=None):
+    def __init__(self, opts, harness_name, workload, calls, db_comms, roundtrip_counter=None, dbonly=None,
+                 rows_call=None):
         self.opts, self.workload, self.calls = opts, workload, calls
+        self.rows_call = rows_call  # (rows, format) -> Call: the rows block's calls; None: the harness has none
         self.db_comms = db_comms
         self.roundtrip_counter = roundtrip_counter
         self.dbonly = dbonly
@@ -243,6 +253,8 @@ class Bench:
                     continue
                 if block == 'forward' and not any(getattr(t, 'plane', False) for t in self.targets):
                     continue  # measures the plane's forwarding only: no floors around nothing
+                if block == 'rows' and self.rows_call is None:
+                    continue
                 self.health_floor(block, 'before')
                 t0 = time.time()
                 try:
@@ -279,6 +291,23 @@ class Bench:
         """One caller at a time: p50/p99 of a single call (the lookups and the hello floor)."""
         calls = [c for c in self.calls if c.name.startswith(('lookup', 'customer', 'hello'))]
         self._closed_block('latency', calls, 1)
+
+    def block_rows(self):
+        """Rows per call (--rows-list 1,10,100,1000 x --rows-formats json,ndjson,csv): one range query paged at N
+        rows, one worker, --callers closed loop; the report plots gateway CPU µs per call against rows per call
+        (the slope is each extra row's cost) for every target and the floor."""
+        for n, fmt in self.opts.rows_cells:
+            call = self.rows_call(n, fmt)
+            tgts = [t for t in self.supporting(call) if t.name != 'floor_hello']
+            for rnd in range(self.opts.rounds):
+                for t in H.rotated(tgts, self.rotation):
+                    try:
+                        self.start(t, workers=1)
+                        r = self.measured(t, call, conns=self.opts.callers, duration=self.opts.duration)
+                        self.record('rows', t, call, rnd, r, conns=self.opts.callers, rows=n, format=fmt)
+                    except Exception as exc:  # noqa: BLE001
+                        self.fail('rows', f'{t.name} {call.name}', exc)
+                self.rotation += 1
 
     def block_governance(self):
         """What the allow-list and masking cost: on one running target, runs of the plain and the governed key
@@ -542,6 +571,7 @@ class Bench:
         missing = []
         for block in self.opts.blocks:
             if block in ('dbonly',) or (block == 'roundtrips' and not self.roundtrip_counter) \
+                    or (block == 'rows' and self.rows_call is None) \
                     or (block == 'forward' and not any(getattr(t, 'plane', False) for t in self.targets)):
                 continue
             if not any(r['block'] == block for r in rows):

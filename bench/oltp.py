@@ -15,6 +15,9 @@ import harness as H  # noqa: E402
 import targets as T  # noqa: E402
 
 DATA_DB = 'qag_bench_oltp'
+# the rows block's range query: bench/floors/falcon_pg.py runs the same with LIMIT page_size
+RANGE_SQL = ('SELECT a.aid, a.abalance, b.bid, b.bbalance FROM pgbench_accounts a '
+             'JOIN pgbench_branches b ON b.bid = a.bid WHERE a.aid >= :start ORDER BY a.aid')
 PG = ['-h', '127.0.0.1', '-p', '5432', '-U', 'postgres']
 
 
@@ -71,11 +74,14 @@ def workload(scale):
          'sql': 'SELECT a.aid, a.abalance, b.bid, b.bbalance FROM pgbench_accounts a '
                 'JOIN pgbench_branches b ON b.bid = a.bid WHERE a.aid BETWEEN :start AND :start + 99 ORDER BY a.aid',
          'parameters': {'start': {'type': 'int', 'required': True}}},
+        {'name': 'account_range', 'connection_name': 'oltp', 'publish': True,
+         'description': 'Accounts with their branch from start on, a page of page_size rows (the rows block)',
+         'sql': RANGE_SQL, 'parameters': {'start': {'type': 'int', 'required': True}}},
         {'name': 'deposit', 'connection_name': 'oltp', 'publish': True, 'description': 'Add delta to an account',
          'sql': 'UPDATE pgbench_accounts SET abalance = abalance + :delta WHERE aid = :aid',
          'parameters': {'aid': {'type': 'int', 'required': True}, 'delta': {'type': 'int', 'required': True}}},
     ]
-    plain = {'queries': ['account', 'account_page'], 'connections': []}
+    plain = {'queries': ['account', 'account_page', 'account_range'], 'connections': []}
     keys = {
         'plain': plain,
         'governed': {**plain, 'allowed_tables': ['pgbench_accounts', 'pgbench_branches'],
@@ -95,7 +101,12 @@ def workload(scale):
     ]
     w = T.Workload(connection, queries, keys, data_db=DATA_DB,
                    floor_env={'FLOOR_PG_DSN': f'postgresql://postgres@127.0.0.1:5432/{DATA_DB}'})
-    return w, calls
+
+    def rows_call(n, fmt):
+        # start from the 5-digit ids: every page of up to 1,000 rows exists in full
+        path = rf'/q/account_range\?start={start}&page_size={n}&format={fmt}'
+        return T.Call(f'rows_{fmt}_{n}', 'account_range', 'plain', path, floor=path)
+    return w, calls, rows_call
 
 
 def pg_xacts(db):
@@ -139,9 +150,9 @@ def main():
         p.add_argument('--scale', type=int, default=10, help='pgbench scale (10 default; seeds use 100)')
     opts = B.parse_args(__doc__.splitlines()[0], os.path.join(H.BENCH_DIR, 'out', 'oltp', 'results.jsonl'), extra)
     ensure_data(opts.scale)
-    w, calls = workload(opts.scale)
+    w, calls, rows_call = workload(opts.scale)
     bench = B.Bench(opts, 'oltp', w, calls, db_comms={'postgres'}, roundtrip_counter=roundtrip_counter,
-                    dbonly=dbonly)
+                    dbonly=dbonly, rows_call=rows_call)
     bench.results.common['scale'] = opts.scale
     sys.exit(bench.run())
 

@@ -14,8 +14,8 @@ TARGET_ORDER = ['peer', 'peer_cache', 'qag', 'qag_plane', 'floor_pg', 'floor_mys
 LABEL = {'peer': 'QueryAPIGate 0.43', 'peer_cache': 'QueryAPIGate 0.43 + cache', 'qag': 'qag', 'qag_plane': 'qag + plane',
          'floor_pg': 'Falcon+psycopg2 floor', 'floor_mysql': 'Falcon+mysql-connector floor',
          'floor_hello': 'Falcon hello floor', 'postgres': 'PostgreSQL'}
-BLOCK_ORDER = ['dbonly', 'throughput', 'latency', 'governance', 'capacity', 'openloop', 'forward', 'workers', 'threads', 'recording',
-               'roundtrips']
+BLOCK_ORDER = ['dbonly', 'throughput', 'latency', 'governance', 'rows', 'capacity', 'openloop', 'forward', 'workers',
+               'threads', 'recording', 'roundtrips']
 
 
 def load(paths, session=None):
@@ -437,6 +437,70 @@ class Report:
         plt.close(fig)
         self.w(f'![throughput per gateway core]({name})\n')
 
+    def rows_per_call(self, rows, harness):
+        """The rows block: gateway CPU µs per call at each page size and format, the ratio to the floor, each extra
+        row's cost (the slope between the smallest and the biggest page), and a chart of µs per call against
+        rows per call."""
+        if not rows:
+            return
+        self.w('### Rows per call\n')
+        self.w('One worker, 32 callers, a range query (`account_range`: accounts joined to their branch, four integer '
+               'columns) paged at N rows. Cells: gateway CPU µs per call, median (min-max) over rounds; '
+               '"÷ floor" is the target\'s µs over the floor\'s (above 1: costlier); "ref ÷ it" is QueryAPIGate '
+               '0.43 with its cache over qag (the issue\'s "calls per gateway CPU-second" ratio). The last column '
+               'is each extra '
+               'row\'s cost: (µs at the biggest page - µs at the smallest) / (rows between).\n')
+        targets = order_targets(r['target'] for r in rows)
+        floor = next((t for t in targets if t.startswith('floor')), None)
+        sizes = sorted({r['rows'] for r in rows})
+        by = group(rows, 'format', 'rows', 'target')
+        us = lambda rs: med([r.get('gw_cpu_us_per_call') for r in rs])  # noqa: E731
+        out = []
+        for fmt in dict.fromkeys(r['format'] for r in rows):
+            for t in targets:
+                line = [fmt, LABEL.get(t, t)]
+                for n in sizes:
+                    rs = by.get((fmt, n, t), [])
+                    c = cell([r.get('gw_cpu_us_per_call') for r in rs])
+                    f = by.get((fmt, n, floor), []) if floor and t != floor else []
+                    if rs and f and us(f):
+                        c += f' ÷ floor {us(rs) / us(f):.2f}'
+                    ref = by.get((fmt, n, 'peer_cache'), []) if t.startswith('qag') else []
+                    if rs and ref and us(rs):
+                        c += f', ref ÷ it {us(ref) / us(rs):.1f}x'
+                    line.append(c)
+                lo, hi = by.get((fmt, sizes[0], t), []), by.get((fmt, sizes[-1], t), [])
+                slope = (us(hi) - us(lo)) / (sizes[-1] - sizes[0]) if lo and hi and len(sizes) > 1 else None
+                line.append(num(slope, 2) if slope is not None else '-')
+                out.append(line)
+        self.w(table(['format', 'target'] + [f'{n} rows' for n in sizes] + ['µs per extra row'], out))
+        try:
+            import matplotlib
+            matplotlib.use('Agg')
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return
+        fmts = list(dict.fromkeys(r['format'] for r in rows))
+        fig, axes = plt.subplots(1, len(fmts), figsize=(4.2 * len(fmts), 3.8), squeeze=False)
+        for ax, fmt in zip(axes[0], fmts):
+            for t in targets:
+                pts = [(n, us(by[(fmt, n, t)])) for n in sizes if by.get((fmt, n, t))]
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker='o', label=LABEL.get(t, t))
+            ax.set_xscale('log')
+            ax.set_yscale('log')
+            ax.set_xlabel('rows per call')
+            ax.set_ylabel('gateway CPU µs per call')
+            ax.set_title(f'{fmt}')
+            ax.grid(True, which='both', alpha=0.3)
+        axes[0][0].legend(fontsize=7)
+        fig.suptitle(f'{harness}: CPU per call against rows per call (median)', fontsize=10)
+        fig.tight_layout()
+        name = f'{harness}_rows_per_call.png'
+        fig.savefig(os.path.join(self.outdir, name), dpi=110)
+        plt.close(fig)
+        self.w(f'![CPU µs per call against rows per call]({name})\n')
+
     def chart_openloop(self, rows, targets, harness):
         try:
             import matplotlib
@@ -485,6 +549,7 @@ class Report:
             if b('throughput'):
                 self.chart_throughput(b('throughput'), harness)
             self.closed(b('latency'), 'One caller at a time', 'Closed loop, 1 caller: the latency of a single call.')
+            self.rows_per_call(b('rows'), harness)
             self.openloop(b('openloop'), harness)
             self.forward(b('forward'))
             self.scaling(b('workers'), 'workers', 'Workers (one per gateway CPU, pinned)',

@@ -1,28 +1,21 @@
 """The MariaDB floor: a bare Falcon app on gunicorn running the tpcc_mysql saved queries straight through
-mysql-connector, one autocommit connection per thread, JSON out. What a gateway is compared with on MySQL.
+mysql-connector, one autocommit connection per thread, json, ndjson or csv out (floor_render.py). What a
+gateway is compared with on MySQL.
 
 FLOOR_MYSQL (JSON: host, port, user, password, database) and FLOOR_QUERIES (JSON: name -> [sql with %s, [param
-names in order]]) come from bench/tpcc_mysql.py. Routes: GET /q/<name>?<params>, /health."""
-import datetime
-import decimal
+names in order; a parameter named page_size is the row count, default 10]]) come from the harness. Routes:
+GET /q/<name>?<params>[&format=json|ndjson|csv], /health."""
 import json
 import os
 import threading
 
 import falcon
 import mysql.connector
+from floor_render import formats, render
 
 _CFG = json.loads(os.environ.get('FLOOR_MYSQL', '{}'))
 _QUERIES = json.loads(os.environ.get('FLOOR_QUERIES', '{}'))
 _local = threading.local()
-
-
-def _default(v):
-    if isinstance(v, decimal.Decimal):
-        return float(v)
-    if isinstance(v, (datetime.date, datetime.datetime)):
-        return v.isoformat(sep=' ')
-    return str(v)
 
 
 def _conn():
@@ -39,19 +32,22 @@ class _Query:
         if entry is None:
             raise falcon.HTTPNotFound()
         sql, names = entry
+        fmt = formats(req)
         try:
-            args = [int(req.get_param(n, required=True)) for n in names]
+            args = [int(req.get_param(n) or 10) if n == 'page_size' else int(req.get_param(n, required=True))
+                    for n in names]
         except ValueError:
-            raise falcon.HTTPBadRequest(description='parameters must be integers')
+            raise falcon.HTTPBadRequest(description='parameters must be integers') from None
+        if fmt is None:
+            raise falcon.HTTPBadRequest(description='format must be json, ndjson or csv')
         cur = _conn().cursor()
         try:
             cur.execute(sql, args)
             cols = [d[0] for d in cur.description]
-            rows = [dict(zip(cols, r)) for r in cur.fetchall()]
+            rows = cur.fetchall()
         finally:
             cur.close()
-        resp.data = json.dumps(rows, default=_default).encode()
-        resp.content_type = falcon.MEDIA_JSON
+        resp.data, resp.content_type = render(cols, rows, fmt)
 
 
 class _Health:

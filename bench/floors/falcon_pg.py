@@ -1,23 +1,30 @@
 """The PostgreSQL floor: a bare Falcon app on gunicorn doing the bench's primary-key lookup with psycopg2,
-one autocommit connection per thread (one round trip per call), JSON out. What a gateway is compared with.
+one autocommit connection per thread (one round trip per call), json, ndjson or csv out (floor_render.py). What a
+gateway is compared with.
 
-Routes mirror the gateways': GET /q/account?aid=N and /q/account_page?start=N, plus /health.
+Routes mirror the gateways': GET /q/account?aid=N, /q/account_page?start=N, /q/account_range?start=N&page_size=K
+(K rows from N on: the rows-per-call block), each with &format=json|ndjson|csv, plus /health.
 DSN from FLOOR_PG_DSN (default the bench's OLTP database)."""
-import json
 import os
 import threading
 
 import falcon
 import psycopg2
+from floor_render import formats, render
 
 _DSN = os.environ.get('FLOOR_PG_DSN', 'postgresql://postgres@127.0.0.1:5432/qag_bench_oltp')
 _local = threading.local()
 
+# the rows-per-call block's query (bench/oltp.py saves the same SQL in every gateway, which pages it)
+RANGE_SQL = ('SELECT a.aid, a.abalance, b.bid, b.bbalance FROM pgbench_accounts a '
+             'JOIN pgbench_branches b ON b.bid = a.bid WHERE a.aid >= %s ORDER BY a.aid')
+
 _SQL = {
-    'account': ('SELECT aid, bid, abalance FROM pgbench_accounts WHERE aid = %s', 'aid'),
+    'account': ('SELECT aid, bid, abalance FROM pgbench_accounts WHERE aid = %s', ('aid',)),
     'account_page': ('SELECT a.aid, a.abalance, b.bid, b.bbalance FROM pgbench_accounts a '
                      'JOIN pgbench_branches b ON b.bid = a.bid WHERE a.aid BETWEEN %s AND %s + 99 ORDER BY a.aid',
-                     'start'),
+                     ('start', 'start')),
+    'account_range': (RANGE_SQL + ' LIMIT %s', ('start', 'page_size')),
 }
 
 
@@ -36,17 +43,20 @@ class _Query:
         entry = _SQL.get(name)
         if entry is None:
             raise falcon.HTTPNotFound()
-        sql, param = entry
+        sql, names = entry
+        fmt = formats(req)
         try:
-            value = int(req.get_param(param, required=True))
+            args = [int(req.get_param(n) or 10) if n == 'page_size' else int(req.get_param(n, required=True))
+                    for n in names]
         except ValueError:
-            raise falcon.HTTPBadRequest(description=f'{param} must be an integer')
+            raise falcon.HTTPBadRequest(description='parameters must be integers') from None
+        if fmt is None:
+            raise falcon.HTTPBadRequest(description='format must be json, ndjson or csv')
         with _conn().cursor() as cur:
-            cur.execute(sql, (value,) * sql.count('%s'))
+            cur.execute(sql, args)
             cols = [d[0] for d in cur.description]
-            rows = [dict(zip(cols, r)) for r in cur.fetchall()]
-        resp.data = json.dumps(rows).encode()
-        resp.content_type = falcon.MEDIA_JSON
+            rows = cur.fetchall()
+        resp.data, resp.content_type = render(cols, rows, fmt)
 
 
 class _Health:
