@@ -181,7 +181,7 @@ def plan_time(name, w, rounds):
                        body={"name": label, "queries": list(stmts), "connections": [], **extra})
         keys[label] = json.loads(out)["secret"]
     rt = app.runtime
-    principals = {k: rt.authenticate(v, "127.0.0.1") for k, v in keys.items()}
+    principals = {k: app.auth.authenticate(v, "127.0.0.1") for k, v in keys.items()}
     # the catalogue and function list: once per connection generation
     _crow, connector, _cgen = rt.connection("db")
     t = time.perf_counter()
@@ -208,7 +208,7 @@ def plan_time(name, w, rounds):
         per = {"plain": [], "governed": []}
         for i in range(rounds):
             for label in (("plain", "governed") if i % 2 == 0 else ("governed", "plain")):
-                rt._plans.clear()
+                rt.plans.clear()
                 _clear_analysis_caches()
                 t = time.process_time()  # CPU: the build is pure computation once the catalogue is warm
                 try:
@@ -278,7 +278,7 @@ def measure(name, w, rounds, calls, rnd):
                 call("GET", "/q/q", q, key=keys[label])
             per[label].append((time.process_time() - t) / calls * 1e6)
     # the masking stage on its own: the governed plan's transforms over one call's result
-    p = rt.authenticate(keys["governed"], "127.0.0.1")
+    p = app.auth.authenticate(keys["governed"], "127.0.0.1")
     plan, _crow, connector = rt.plan(p, "q", None)
     from qag.params import bind
     args = plan.bind_args(bind(plan.specs, dict(x.split("=") for x in w["qs"](rnd).split("&")), 65536))

@@ -30,7 +30,7 @@ log = logging.getLogger("qag.identity")
 
 MAX_TOKEN_BYTES = 8192
 JWKS_REFRESH_S = 1.0  # an unknown kid refetches the key set at most once a second per worker
-# The very sentence of a refused key (qag/runtime.py, and the plane's): a caller cannot tell which way in failed.
+# The very sentence of a refused key (qag/auth.py, and the plane's): a caller cannot tell which way in failed.
 UNAUTHORIZED = "Give a valid, active API key in the X-API-Key header."
 ROLE_PREFIX = "role:"
 ROLE_FIELDS_EXTRA = ("name", "description", "require_claims")

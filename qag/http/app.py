@@ -21,6 +21,7 @@ import falcon
 
 from qag import __version__, formats, params as P, render
 from qag import connectors
+from qag.auth import Auth
 from qag.errors import ApiError, DomainError
 from qag.http import errors as http_errors
 from qag.metrics import Observer
@@ -200,7 +201,7 @@ class DataResource:
         plan_hit = None
         try:
             # The Console's "try it" calls in-process as its signed-in administrator (qag/http/console: PRINCIPAL_ENV).
-            principal = req.env.get("qag.console_principal") or rt.authenticate_caller(
+            principal = req.env.get("qag.console_principal") or app.auth.authenticate_caller(
                 req.get_header("X-API-Key"), req.get_header("Authorization"), client_addr(req))
             run["key_name"] = None if principal.admin else principal.caller
             if req.get_header("X-Qag-Via") == "mcp" and client_addr(req) in ("127.0.0.1", "::1"):
@@ -208,7 +209,7 @@ class DataResource:
             if req.env.get("qag.too_many_calls"):  # the worker found this key's queue full (qag/server/gworker.py)
                 raise ApiError(429, "too_many_calls", "This key has too many calls waiting in this worker; wait "
                                "for some to finish and retry in 1 s.", {"retry_after": 1}, {"Retry-After": "1"})
-            limits = rt.check_rate(principal)
+            limits = app.auth.check_rate(principal)
             if limits is not None:
                 for hk, hv in limits.headers.items():
                     resp.set_header(hk, hv)
@@ -242,7 +243,7 @@ class DataResource:
                     run["rows"], run["bytes"] = nrows, len(body) if status == 200 else 0
                     app.finish(req, run, status, None, t0, None, plan_hit)
                     if limits is not None and limits.rows_keys:
-                        rt.limiter.count_rows(limits, nrows)
+                        app.auth.limiter.count_rows(limits, nrows)
                     return
             if opts.stream:
                 if plan.is_write:
@@ -309,7 +310,7 @@ class DataResource:
                 (t_gov - t_exec) * 1000, (t_render - t_gov) * 1000))
             app.finish(req, run, status, None, t0, query_seconds, plan_hit)
             if limits is not None and limits.rows_keys:
-                rt.limiter.count_rows(limits, run["rows"])
+                app.auth.limiter.count_rows(limits, run["rows"])
         except (ApiError, DomainError) as exc:
             # the database's own words only for administrators (connectors S7)
             err = http_errors.answer(exc, admin="principal" in locals() and principal.admin, data_call=True)
@@ -517,8 +518,9 @@ class QagApp:
     def __init__(self, cfg, runtime: Runtime, *, observer: Observer | None = None, recorder=None, segment=None):
         self.cfg = cfg
         self.runtime = runtime
+        self.auth = Auth(runtime)
         self.observer = observer or Observer()
-        runtime.limiter.observe_fallback = self.observer.limit_fallback
+        self.auth.limiter.observe_fallback = self.observer.limit_fallback
         self.recorder = recorder  # callable(run: dict) or None
         self.segment = segment
         self.run_store_url: str | None = None
@@ -653,7 +655,7 @@ class QagApp:
         raise ApiError(404, "not_found", f"There is no route {req.method} {req.path}; see /openapi.json.")
 
 
-def create_app(cfg=None, *, store=None, gens=None, observer=None, recorder=None, segment=None) -> QagApp:
+def create_app(cfg=None, *, store=None, generations=None, observer=None, recorder=None, segment=None) -> QagApp:
     """Build the application for one process (tests call this directly; gunicorn via qag.server.serve)."""
     from qag import config
     from qag.runtime import LocalGenerations
@@ -662,9 +664,9 @@ def create_app(cfg=None, *, store=None, gens=None, observer=None, recorder=None,
     if store is None:
         store = Store(home=cfg.home, database_url=cfg.database_url, secret_key=cfg.secret_key)
         store.migrate()
-    if gens is None:
-        gens = LocalGenerations()
-    return QagApp(cfg, Runtime(cfg, store, gens), observer=observer, recorder=recorder, segment=segment)
+    if generations is None:
+        generations = LocalGenerations()
+    return QagApp(cfg, Runtime(cfg, store, generations), observer=observer, recorder=recorder, segment=segment)
 
 
 VERSION = __version__

@@ -18,8 +18,8 @@ _SYSTEM_SCHEMAS = {"pg_catalog", "information_schema", "pg_toast", "mysql", "per
 
 def _principal(app, req):
     from qag.http.app import client_addr
-    return app.runtime.authenticate_caller(req.get_header("X-API-Key"), req.get_header("Authorization"),
-                                           client_addr(req))
+    return app.auth.authenticate_caller(req.get_header("X-API-Key"), req.get_header("Authorization"),
+                                        client_addr(req))
 
 
 def _formats() -> list[str]:
@@ -40,7 +40,7 @@ class Catalog:
         self.app = app
 
     def on_get(self, req, resp):
-        from qag.runtime import _granted
+        from qag.runtime import granted
         rt = self.app.runtime
         principal = _principal(self.app, req)
         fmts = _formats()
@@ -48,7 +48,7 @@ class Catalog:
         for q in rt.store.list_queries():
             if q["published_version"] is None:
                 continue
-            if not principal.admin and not _granted(principal.key, q):
+            if not principal.admin and not granted(principal.key, q):
                 continue
             try:
                 plan, _, _ = rt.plan(principal, q["name"], None)

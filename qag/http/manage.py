@@ -27,8 +27,7 @@ MASK_ACTIONS = ("hash", "mask", "null", "drop")
 def require_admin(app, req):
     # The Console calls this API in-process as its signed-in administrator, through a WSGI environ key that no
     # request header can set (qag/http/console); everyone else authenticates with X-API-Key.
-    p = req.env.get("qag.console_principal") or app.runtime.authenticate(req.get_header("X-API-Key"),
-                                                                         client_addr(req))
+    p = req.env.get("qag.console_principal") or app.auth.authenticate(req.get_header("X-API-Key"), client_addr(req))
     if not p.admin:
         raise ApiError(403, "forbidden", "This route is for administrators; use QAG_ADMIN_KEY or an administrator "
                        "token.")

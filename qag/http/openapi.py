@@ -347,10 +347,10 @@ def _query_path(q: dict, v: dict | None) -> dict:
 def document(app, principal) -> dict:
     paths = static_paths()
     if principal is not None:
-        from qag.runtime import _granted
+        from qag.runtime import granted
         store = app.runtime.store
         for q in store.list_queries():
-            if q["published_version"] is None or (not principal.admin and not _granted(principal.key, q)):
+            if q["published_version"] is None or (not principal.admin and not granted(principal.key, q)):
                 continue
             path = f"/q/{q['name']}"
             if path in paths:
@@ -377,7 +377,7 @@ class OpenAPI:
         secret, bearer = req.get_header("X-API-Key"), req.get_header("Authorization")
         if secret or bearer:
             try:
-                principal = self.app.runtime.authenticate_caller(secret, bearer, client_addr(req))
+                principal = self.app.auth.authenticate_caller(secret, bearer, client_addr(req))
             except ApiError:
                 principal = None
         resp.content_type = "application/json"

@@ -100,7 +100,7 @@ class Events:
         from qag.server.eventhub import Feed, Subscription
         app = self.app
         secret = req.get_header("X-API-Key")
-        p = app.runtime.authenticate(secret, client_addr(req))
+        p = app.auth.authenticate(secret, client_addr(req))
         raw = req.get_header("Last-Event-ID") or req.get_param("last_event_id") or "0"
         try:
             last = int(raw)
@@ -114,7 +114,7 @@ class Events:
         store = app.run_store()
         holder = p.name if not p.admin else "\x00admin"
         app.subscribers.acquire(holder)
-        feed = Feed(store=store, runtime=app.runtime, secret=secret, addr=client_addr(req), admin=p.admin,
+        feed = Feed(store=store, auth=app.auth, secret=secret, addr=client_addr(req), admin=p.admin,
                     key_name=key_name, last=last, limit_total=limit_total,
                     release=lambda: app.subscribers.release(holder))
         resp.content_type = "text/event-stream"

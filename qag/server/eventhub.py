@@ -29,8 +29,8 @@ RETRY = b"retry: 1000\n\n"
 class Feed:
     """One subscriber's position in the run store and what it may see."""
 
-    def __init__(self, *, store, runtime, secret, addr, admin: bool, key_name, last: int, limit_total: int, release):
-        self.store, self.runtime, self.secret, self.addr = store, runtime, secret, addr
+    def __init__(self, *, store, auth, secret, addr, admin: bool, key_name, last: int, limit_total: int, release):
+        self.store, self.auth, self.secret, self.addr = store, auth, secret, addr
         self.admin, self.key_name, self.last, self.limit_total = admin, key_name, last, limit_total
         self.sent = 0
         self.quiet_since = time.monotonic()
@@ -41,7 +41,7 @@ class Feed:
         """(bytes to send, whether events came, whether the feed is finished)."""
         if not self.admin:  # a revoked key's stream ends at once
             try:
-                self.runtime.authenticate(self.secret, self.addr)
+                self.auth.authenticate(self.secret, self.addr)
             except ApiError:
                 return b"", False, True
         batch = self.store.events_after(self.last, self.key_name, 1000)

@@ -89,7 +89,7 @@ def segment_gauges(segment, runtime):
         if ps.get("role") == "recorder" and ps.get("heartbeat_ns"):
             yield "qag_recorder_lag_seconds", (), max(0.0, (now - ps["heartbeat_ns"]) / 1e9)
     yield "qag_generation", (), segment.global_gen()
-    yield "qag_change_watcher_current", (), 1 if runtime.gens.current() else 0
+    yield "qag_change_watcher_current", (), 1 if runtime.generations.current() else 0
     for name, (in_use, idle) in runtime.pool_stats().items():
         yield "qag_pool_connections", (name, "in_use", str(runtime.slot)), in_use
         yield "qag_pool_connections", (name, "idle", str(runtime.slot)), idle

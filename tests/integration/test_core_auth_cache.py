@@ -8,26 +8,26 @@ import tracemalloc
 import pytest
 
 from qag import config
+from qag.auth import Auth
 from qag.errors import ApiError
 from qag.runtime import LocalGenerations, Runtime
 from qag.store import Store
 
 
 @pytest.fixture()
-def runtime(tmp_path):
+def auth(tmp_path):
     cfg = config.load({"QAG_HOME": str(tmp_path)})
     store = Store(home=cfg.home)
     store.migrate()
-    rt = Runtime(cfg, store, LocalGenerations())
-    yield rt
+    yield Auth(Runtime(cfg, store, LocalGenerations()))
     store.close()
 
 
-def test_wrong_secrets_do_not_grow_memory(runtime):
+def test_wrong_secrets_do_not_grow_memory(auth):
     def wrong(n):
         for _ in range(n):
             with pytest.raises(ApiError) as ei:
-                runtime.authenticate("sk_" + secrets.token_hex(16), "127.0.0.1")
+                auth.authenticate("sk_" + secrets.token_hex(16), "127.0.0.1")
             assert ei.value.status == 401
     wrong(3000)  # fill whatever bounded cache there is
     tracemalloc.start()
@@ -38,13 +38,13 @@ def test_wrong_secrets_do_not_grow_memory(runtime):
     assert grown < 512 * 1024, f"{grown} bytes kept for 12,000 wrong secrets"
 
 
-def test_a_wrong_secret_is_refused_from_the_cache(runtime):
+def test_a_wrong_secret_is_refused_from_the_cache(auth):
     secret = "sk_" + secrets.token_hex(16)
     for _ in range(3):
         with pytest.raises(ApiError):
-            runtime.authenticate(secret, "127.0.0.1")
+            auth.authenticate(secret, "127.0.0.1")
     statements = []
-    runtime.store.observer = type("O", (), {"store_statement": lambda self: statements.append(1)})()
+    auth.runtime.store.observer = type("O", (), {"store_statement": lambda self: statements.append(1)})()
     with pytest.raises(ApiError):
-        runtime.authenticate(secret, "127.0.0.1")
+        auth.authenticate(secret, "127.0.0.1")
     assert statements == []  # answered from the cache, no store lookup

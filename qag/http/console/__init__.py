@@ -113,7 +113,7 @@ class Console:
             return None
         s = Session()
         s.sid, s.admin, s.csrf, s.expires = sid, data["admin"], data["csrf"], data["expires"]
-        from qag.runtime import Principal
+        from qag.auth import Principal
         s.principal = Principal(True, data["admin"], None)
         return s
 
@@ -210,7 +210,7 @@ class Login(Console):
         nxt = _safe_next(fields.get("next"))
         from qag.http.app import client_addr
         try:
-            p = self.app.runtime.authenticate(token or None, client_addr(req))
+            p = self.app.auth.authenticate(token or None, client_addr(req))
         except ApiError:
             p = None
         if p is None or not p.admin:

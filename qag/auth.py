@@ -1,0 +1,213 @@
+"""Who is calling, and may they call now: API keys, administrator tokens, signed-in callers, IP allow-lists,
+rate limits and quotas — the per-call decision, made on every call before a plan is looked up.
+
+A key's row comes from the runtime's key cache (qag/runtime.py), valid while the key's generation is the one it
+was read at (one 8-byte read from the segment), so a revocation takes effect before the call that made it
+returns. Active, expiry, a rotated secret's grace and the IP allow-list are checked against the row on every
+call. Limits and quotas are counted by qag/limits.py (Redis across hosts); when Redis is not configured or not
+answering, this module's per-host windows, counted across the host's workers in the segment, decide.
+"""
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import threading
+import time
+
+from qag import timeutil
+from qag.errors import ApiError
+from qag.limits import Limiter, period_bounds
+from qag.runtime import CachedAdminToken, CachedKey
+from qag.store import hash_secret
+
+UNAUTHORIZED = "Give a valid, active API key in the X-API-Key header."
+
+
+class Principal:
+    __slots__ = ("admin", "caller", "claims", "gen", "key", "name")
+
+    def __init__(self, admin: bool, name: str, key: dict | None, gen: int = 0):
+        self.admin = admin
+        self.name = name      # what plans are keyed by: the key's name, or "role:<name>" for a signed-in caller
+        self.key = key
+        self.gen = gen
+        self.claims = None    # a signed-in caller's verified claims
+        self.caller = name    # who is recorded and limited: the key, or "jwt:<sub>"
+
+
+class Auth:
+    """One worker's authentication and limits, over its runtime (qag.runtime.Runtime: store, generations and
+    the key, secret and role caches)."""
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+        self.cfg = runtime.cfg
+        self.verifier = None  # qag.identity.Verifier, made at the first signed-in call
+        self.limiter = Limiter(runtime.cfg, self._host_window)
+        self._windows: dict[tuple[str, str], list] = {}  # (field, key) -> [window start, calls]: no segment
+        self._lock = threading.Lock()
+        # one SHA-256 per call serves both checks: the break-glass key is compared by its hash
+        self._admin_hash = hash_secret(runtime.cfg.admin_key) if runtime.cfg.admin_key else None
+
+    # -- API keys and administrator tokens -----------------------------------------------------------------
+    def authenticate(self, secret: str | None, client_ip: str | None) -> Principal:
+        if not secret:
+            raise ApiError(401, "unauthorized", UNAUTHORIZED)
+        h = hash_secret(secret)
+        if self._admin_hash is not None and hmac.compare_digest(h, self._admin_hash):
+            return Principal(True, "admin", None)
+        rt = self.runtime
+        gens = rt.generations
+        if gens is not None:
+            cached = rt.keys.get(h)
+            if cached is not None:
+                if cached.admin:
+                    if gens.global_gen() == cached.gen:
+                        return Principal(True, cached.name, None)
+                elif gens.gen("key", cached.name) == cached.gen:
+                    return self._check_key(cached.row, cached.via_prev, client_ip, cached.gen)
+            elif rt.unknown_secrets.get(h) == gens.global_gen():
+                raise ApiError(401, "unauthorized", UNAUTHORIZED)
+        gen_before = gens.global_gen() if gens is not None else 0
+        store = rt.store
+        row, via_prev = store.find_key_by_hash(h)
+        if row is None:
+            admin = store.find_admin(h)
+            if gens is not None:
+                if admin:  # bounded by the number of administrator tokens
+                    rt.keys[h] = CachedAdminToken(admin, gen_before)
+                else:
+                    rt.unknown_secrets.remember(h, gen_before)
+            if admin:
+                return Principal(True, admin, None)
+            raise ApiError(401, "unauthorized", UNAUTHORIZED)
+        gen = 0
+        if gens is not None:
+            # The generation must be read before the row it validates: a change commits, then bumps.
+            gen = gens.gen("key", row["name"])
+            row, via_prev = store.find_key_by_hash(h)
+            if row is None:
+                raise ApiError(401, "unauthorized", UNAUTHORIZED)
+            rt.keys[h] = CachedKey(row["name"], gen, row, via_prev)
+            if rt.publisher is not None:
+                rt.publisher.key(h, row, via_prev, gen)
+        return self._check_key(row, via_prev, client_ip, gen)
+
+    def _check_key(self, row: dict, via_prev: bool, client_ip: str | None, gen: int) -> Principal:
+        if not row["active"]:
+            raise ApiError(401, "unauthorized", UNAUTHORIZED)
+        exp = row.get("_expires_ts", _UNSET)
+        if exp is _UNSET:  # parsed once per cached row, not per call
+            exp = row["_expires_ts"] = _ts(row["expires_at"])
+            row["_prev_until_ts"] = _ts(row.get("prev_valid_until"))
+        if exp is not None or via_prev:
+            now = time.time()
+            if exp is not None and exp <= now:
+                raise ApiError(401, "unauthorized", UNAUTHORIZED)
+            if via_prev:
+                until = row["_prev_until_ts"]
+                if until is None or until <= now:
+                    raise ApiError(401, "unauthorized", UNAUTHORIZED)
+        ips = row["grants"].get("allowed_ips")
+        if ips and (not client_ip or not ip_allowed(client_ip, ips)):
+            raise ApiError(401, "unauthorized", UNAUTHORIZED)
+        return Principal(False, row["name"], row, gen)
+
+    # -- signed-in callers (qag/identity.py) ----------------------------------------------------------------
+    def authenticate_caller(self, secret: str | None, authorization: str | None, client_ip: str | None):
+        """X-API-Key when given; else a Bearer token whose role claim names a role; else 401."""
+        if secret or not authorization:
+            return self.authenticate(secret, client_ip)
+        from qag import identity
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise ApiError(401, "unauthorized", identity.UNAUTHORIZED)
+        if self.verifier is None:
+            self.verifier = identity.Verifier(self.cfg)
+        claims = self.verifier.verify(token.strip())
+        role_name = claims.get(self.verifier.role_claim)
+        role, gen = self.runtime.role(role_name) if isinstance(role_name, str) else (None, 0)
+        if role is None:
+            raise ApiError(401, "unauthorized", identity.UNAUTHORIZED)
+        ips = role["grants"].get("allowed_ips")
+        if ips and (not client_ip or not ip_allowed(client_ip, ips)):
+            raise ApiError(401, "unauthorized", identity.UNAUTHORIZED)
+        key = {"name": identity.ROLE_PREFIX + role["name"], "grants": role["grants"], "active": True,
+               "expires_at": None, "role": role}
+        p = Principal(False, key["name"], key, gen)
+        p.claims = claims
+        p.caller = "jwt:" + str(claims.get("sub", "?"))[:200]
+        return p
+
+    # -- rate limits and quotas (qag/limits.py) ---------------------------------------------------------------
+    def check_rate(self, principal: Principal):
+        """Per-key `rate_limit` and `quota` (qag/limits.py: Redis across hosts, else this host's segment); raises
+        429, else returns the limits' Decision (its RateLimit-* headers) or None for a key without limits."""
+        if principal.key is None:
+            return None
+        return self.limiter.check(principal.caller, principal.key["grants"])
+
+    def _host_window(self, field: str, key_name: str, spec, now: float):
+        """The per-host decision (no Redis, or Redis not answering): a fixed window aligned to the period, counted
+        across the host's workers in the segment. Returns (over, remaining, seconds to reset)."""
+        start, end = period_bounds(spec, now)
+        count = spec.calls if spec.calls is not None else None
+        if count is None:
+            return False, spec.rows, end - now   # a rows-only quota is counted in Redis only
+        gens = self.runtime.generations
+        if gens is not None and hasattr(gens, "gauge_cells"):
+            over, used = self._shared_window(gens, field, key_name, start, count)
+        else:
+            with self._lock:
+                k = (field, key_name)
+                window = self._windows.get(k)
+                if window is None or window[0] != start:
+                    window = [start, 0]
+                    self._windows[k] = window
+                if window[1] >= count:
+                    over, used = True, window[1]
+                else:
+                    window[1] += 1
+                    over, used = False, window[1]
+        return over, count - used, end - now
+
+    def _shared_window(self, seg, field: str, key_name: str, start: float, count: int) -> tuple[bool, int]:
+        """A fixed window counted across every worker of the host: each worker writes its own slot's pair of
+        gauge cells (window start, calls in it); the budget is the sum over slots in the current window.
+        Two workers deciding in the same microsecond may let one call more through, never a whole worker's
+        share."""
+        slot = self.runtime.slot
+        labels = (("key", key_name), ("limit", field))
+        with self._lock:
+            starts = seg.gauge_cells("qag_limit_window_start", labels)
+            calls = seg.gauge_cells("qag_limit_window_calls", labels)
+            used = sum(c for s_, c in zip(starts, calls) if s_ == start)
+            if used >= count:
+                return True, used
+            if starts[slot] != start:
+                seg.gauge_set(slot, "qag_limit_window_calls", labels, 1)
+                seg.gauge_set(slot, "qag_limit_window_start", labels, start)
+            else:
+                seg.gauge_set(slot, "qag_limit_window_calls", labels, calls[slot] + 1)
+        return False, used + 1
+
+
+_UNSET = object()
+
+
+def _ts(text: str | None) -> float | None:
+    return timeutil.parse(text).timestamp() if text else None
+
+
+def ip_allowed(ip: str, nets: list[str]) -> bool:
+    try:
+        addr = ipaddress.ip_address(ip)
+    except ValueError:
+        return False
+    for n in nets:
+        try:
+            if addr in ipaddress.ip_network(n, strict=False):
+                return True
+        except ValueError:
+            continue
+    return False
