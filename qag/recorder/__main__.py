@@ -151,14 +151,19 @@ def journal_settings(cfg) -> dict:
 
 
 def batch_max_hint(url: str) -> int:
-    """The store's batch size hint, known from its URL (the store may not be reachable yet)."""
+    """The store's batch size hint (declared by its class), known from its URL (the store may not be
+    reachable yet)."""
     from ..runstore import CLICKHOUSE_SCHEMES
 
     if url.startswith(CLICKHOUSE_SCHEMES):
-        return 64_000
+        from ..runstore.clickhouse import ClickHouseRunStore
+
+        return ClickHouseRunStore.batch_max_hint
+    from ..runstore.sql import SqlRunStore
+
     if url.startswith(("postgresql://", "postgres://")):
-        return 20_000
-    return 5000
+        return SqlRunStore.PG_BATCH_MAX_HINT
+    return SqlRunStore.batch_max_hint
 
 
 class LazyStore:

@@ -373,3 +373,12 @@ def test_a_ring_failing_otherwise_than_by_a_corrupt_record_stops_the_recorder():
     with pytest.raises(ValueError, match="not a ring error"):
         run_recorder(src, store, threading.Event())
     assert src.rings[0].tail == 0 and store.request_ids() == []
+
+
+def test_the_recorder_process_batches_by_the_hint_each_store_declares():
+    from qag.recorder.__main__ import batch_max_hint
+    from qag.runstore.clickhouse import ClickHouseRunStore
+
+    assert batch_max_hint(":memory:") == SqlRunStore(":memory:").batch_max_hint == 5000
+    assert batch_max_hint("postgresql://u@h/db") == SqlRunStore.PG_BATCH_MAX_HINT == 20_000
+    assert batch_max_hint("chdb:///tmp/x") == batch_max_hint("https://h") == ClickHouseRunStore.batch_max_hint == 64_000
