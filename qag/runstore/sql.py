@@ -401,7 +401,8 @@ class SqlRunStore:
 
     _USAGE = ("INSERT INTO qag_usage_minute (minute, key_name, query, calls, errors, \"rows\") VALUES {} "
               "ON CONFLICT (minute, key_name, query) DO UPDATE SET calls = qag_usage_minute.calls + excluded.calls, "
-              "errors = qag_usage_minute.errors + excluded.errors, \"rows\" = qag_usage_minute.\"rows\" + excluded.\"rows\"")
+              "errors = qag_usage_minute.errors + excluded.errors, "
+              "\"rows\" = qag_usage_minute.\"rows\" + excluded.\"rows\"")
     _POSITIONS = ("INSERT INTO qag_recorder_positions (source, slot, position, event_id, updated_us) VALUES {} "
                   "ON CONFLICT (source, slot) DO UPDATE SET position = excluded.position, "
                   "event_id = excluded.event_id, updated_us = excluded.updated_us")

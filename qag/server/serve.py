@@ -13,7 +13,6 @@ Management API and the operations routes have reserve threads (QAG_RESERVE_THREA
 """
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import sys
