@@ -48,3 +48,23 @@ def test_a_wrong_secret_is_refused_from_the_cache(auth):
     with pytest.raises(ApiError):
         auth.authenticate(secret, "127.0.0.1")
     assert statements == []  # answered from the cache, no store lookup
+
+
+def test_an_allow_list_is_checked_on_every_call_and_follows_a_change(auth):
+    """The allow-list is parsed once per cached key row; every call still checks the caller's address against it,
+    and a changed list (a new row, after the key's generation is bumped) is the one checked from the next call."""
+    store, rt = auth.runtime.store, auth.runtime
+    _, secret = store.create_key("t", "ips", {"queries": ["*"], "allowed_ips": ["10.1.0.0/16", "bogus", "::1"]},
+                                 True, None, "")
+    for _ in range(3):  # the first call reads the row, the others use the cached one
+        assert auth.authenticate(secret, "10.1.2.3").name == "ips"
+        assert auth.authenticate(secret, "::1").name == "ips"
+        for ip in ("10.2.0.1", "127.0.0.1", "not an address", None):
+            with pytest.raises(ApiError) as ei:
+                auth.authenticate(secret, ip)
+            assert ei.value.status == 401 and ei.value.code == "unauthorized"
+    store.update_key("t", "ips", {"allowed_ips": ["127.0.0.0/8"]}, {})
+    rt.changed("key", "ips")
+    assert auth.authenticate(secret, "127.0.0.1").name == "ips"
+    with pytest.raises(ApiError):
+        auth.authenticate(secret, "10.1.2.3")
