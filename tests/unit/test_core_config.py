@@ -62,3 +62,20 @@ def test_behind_the_plane_the_callers_address_is_kept_as_public_bind():
     cfg.behind_plane("unix:/tmp/x.sock")
     assert (cfg.public_bind, cfg.bind) == ("127.0.0.1:8080", "unix:/tmp/x.sock")
     assert set(config.DERIVED) == {"public_bind"}
+
+
+def test_defaults_of_the_parts_a_setting_configures_are_the_settings_defaults():
+    """Where a part has a default of its own for what a setting sets (used when it runs without a Config: the
+    tests, the bench), it is the setting's: one default, whichever way the part is started."""
+    import inspect
+
+    import shm
+    from qag.recorder import Recorder
+    from qag.recorder.journal import Journal
+
+    journal = inspect.signature(Journal).parameters
+    recorder = inspect.signature(Recorder).parameters
+    assert shm.DEFAULT_SIZE == config.default("shm_size")
+    assert journal["max_bytes"].default == config.default("journal_max_bytes")
+    assert journal["fsync"].default == config.default("journal_fsync")
+    assert recorder["spill_after_s"].default * 1000 == config.default("journal_spill_after_ms")
