@@ -24,6 +24,9 @@ UNAUTHORIZED = "Give a valid, active API key in the X-API-Key header."
 
 
 class Principal:
+    """Who a call is: an administrator, an API key (its row in `key`), or a signed-in caller (a role's grants in
+    `key`, the verified claims in `claims`); `gen`: the key's generation, which the call's plan must match."""
+
     __slots__ = ("admin", "caller", "claims", "gen", "key", "name")
 
     def __init__(self, admin: bool, name: str, key: dict | None, gen: int = 0):
@@ -51,6 +54,8 @@ class Auth:
 
     # -- API keys and administrator tokens -----------------------------------------------------------------
     def authenticate(self, secret: str | None, client_ip: str | None) -> Principal:
+        """The caller of X-API-Key `secret` from `client_ip`, or 401 unauthorized (one sentence for every way in
+        that failed). Warm, it reads one generation from the segment and nothing from the store."""
         if not secret:
             raise ApiError(401, "unauthorized", UNAUTHORIZED)
         h = hash_secret(secret)
