@@ -613,7 +613,7 @@ mod tests {
         let num = "must be a number";
         let fin = "must be a finite number";
         type Case<'a> = (&'a str, Result<f64, &'a str>, Result<i64, &'a str>);
-        let cases: &[Case] = &[
+        let cases: &[Case<'_>] = &[
             ("1e5", Ok(100000.0), Err("must be an integer")), (".5", Ok(0.5), Err("")), ("5.", Ok(5.0), Err("")),
             ("1e", Err(num), Err("")), ("e1", Err(num), Err("")), ("+.5", Ok(0.5), Err("")), ("-.e1", Err(num), Err("")),
             ("1.5E+3", Ok(1500.0), Err("")), ("0x10", Err(num), Err("")), ("1e500", Err(fin), Err("")),

@@ -577,7 +577,7 @@ impl Lease {
         for r in &rows {
             let mut cells = Vec::with_capacity(cols.len());
             for (i, c) in cols.iter().enumerate() {
-                let raw: Raw = r.try_get(i).map_err(|_| ExecError::Forward("value decode"))?;
+                let raw: Raw<'_> = r.try_get(i).map_err(|_| ExecError::Forward("value decode"))?;
                 cells.push(decode(c.type_(), raw.0).ok_or(ExecError::Forward("value the plane cannot render"))?);
             }
             out.push(cells);
