@@ -17,19 +17,32 @@
 //! `qag/runrecord.py`'s, `served_by = "plane"`) and counted in its own counter slot, so the recorder
 //! and `/metrics` see it like any worker's.
 //!
-//! Modules: [`sys`] (every `unsafe`), [`segment`] (the layout), [`msgpack`], [`entries`] (published
-//! entries), [`limits`] (statement limits, client-side deadlines, keepalives), [`params`] (options, binding, error bodies), [`render`], [`mask`], [`pyfmt`] (Python's text
-//! forms), [`pg`] (PostgreSQL sessions and value decoding), [`mysql`] (MySQL/MariaDB sessions and value decoding), [`pool`]
-//! (per-thread session pools, first come first served), [`server`] (HTTP, forwarding, the request path).
+//! Modules, from the wire down:
+//!
+//! - [`server`]: the HTTP side (`server/accept.rs` the threads and the accept loop, `serve.rs` the request
+//!   path, `execute.rs` the database call, `forward.rs` forwarding to gunicorn, `record.rs` run records and
+//!   counters);
+//! - `options` (a call's query string and `format`/`page`/`page_size`, twin of qag/http/options.py),
+//!   [`params`] (parameter specs and binding, twin of qag/params.py), `error` (error answers and bodies);
+//! - [`entries`] (the published key, plan and connection entries, ENTRIES.md), [`mask`] (masking),
+//!   [`render`] (JSON, NDJSON, CSV), [`pyfmt`] (Python's text forms);
+//! - `pg` and `mysql` (sessions and value decoding per database), `pool` (per-thread session pools and the
+//!   lease of a session), `limits` (statement limits, client-side deadlines, keepalives);
+//! - [`segment`] (the shared segment's layout), [`msgpack`], [`sys`] (every `unsafe`).
+//!
+//! Public (`pub mod`) are the modules `main.rs` and the tests in `tests/` use, and those whose types the
+//! public ones carry; the rest is the crate's own.
 
 pub mod entries;
-pub mod limits;
+mod error;
+mod limits;
 pub mod mask;
 pub mod msgpack;
-pub mod mysql;
+mod mysql;
+mod options;
 pub mod params;
-pub mod pg;
-pub mod pool;
+mod pg;
+mod pool;
 pub mod pyfmt;
 pub mod render;
 pub mod segment;

@@ -11,24 +11,24 @@ use std::time::Duration;
 
 /// The smallest statement limit, in seconds: anything below (including 0.0004, which would round to 0,
 /// "no limit") is raised to it.
-pub const MIN_TIMEOUT: f64 = 0.01;
+const MIN_TIMEOUT: f64 = 0.01;
 
 /// How long past its statement limit a call may wait for the database before the plane gives up on the
 /// session (504 `query_timeout`, the session discarded): covers the server's own cancellation reaching us.
-pub const DEADLINE_MARGIN: Duration = Duration::from_secs(1);
+const DEADLINE_MARGIN: Duration = Duration::from_secs(1);
 
 /// TCP keepalive on every database session (connectors.py S1): idle time before the first probe, interval,
 /// probes. A host that vanishes is noticed within about idle + interval × probes (25 s) even when nothing is
 /// sent; a frozen server (its kernel still answers) is the deadline's to notice.
-pub const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
-pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
-pub const KEEPALIVE_RETRIES: u32 = 3;
+pub(crate) const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
+pub(crate) const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+pub(crate) const KEEPALIVE_RETRIES: u32 = 3;
 /// TCP_USER_TIMEOUT: data written but not acknowledged for this long closes the socket (a dead host).
-pub const TCP_USER_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const TCP_USER_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The limit in seconds after the minimum (NaN and non-positive values are the minimum too: a plan never
 /// carries them, and "no limit" is never the answer).
-pub fn clamp(seconds: f64) -> f64 {
+fn clamp(seconds: f64) -> f64 {
     if seconds.is_nan() || seconds < MIN_TIMEOUT {
         MIN_TIMEOUT
     } else {
@@ -38,18 +38,18 @@ pub fn clamp(seconds: f64) -> f64 {
 
 /// PostgreSQL `statement_timeout` / MySQL `max_execution_time`: milliseconds, rounded up, at least 10
 /// (connectors.limit_ms).
-pub fn millis(seconds: f64) -> u64 {
+pub(crate) fn millis(seconds: f64) -> u64 {
     ((clamp(seconds) * 1000.0 - 1e-9).ceil() as u64).max(10)
 }
 
 /// MariaDB `max_statement_time`: the same milliseconds, written in seconds with 3 decimals.
-pub fn mariadb_seconds(seconds: f64) -> String {
+pub(crate) fn mariadb_seconds(seconds: f64) -> String {
     let ms = millis(seconds);
     format!("{}.{:03}", ms / 1000, ms % 1000)
 }
 
 /// The client-side deadline of one call whose statement limit is `seconds`: the limit plus the margin.
-pub fn deadline(seconds: f64) -> Duration {
+pub(crate) fn deadline(seconds: f64) -> Duration {
     Duration::from_secs_f64(clamp(seconds)) + DEADLINE_MARGIN
 }
 

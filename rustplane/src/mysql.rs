@@ -7,8 +7,9 @@
 use crate::entries::ConnEntry;
 use crate::limits;
 use crate::params::PVal;
-use crate::pg::{decimal_texts, ExecError};
-use crate::pool::{self, Acquired, Grant, HasSlots, Slots};
+use crate::error::ExecError;
+use crate::pg::decimal_texts;
+use crate::pool::{self, Lease, Pool, Pooled, Pools};
 use crate::pyfmt::{float_repr, hex};
 use crate::render::Cell;
 use mysql_async::consts::{ColumnFlags, ColumnType};
@@ -27,21 +28,31 @@ const BINARY_CHARSET: u16 = 63;
 
 /// Pool key: everything that defines a session; a changed connection entry makes a new pool.
 #[derive(Clone, PartialEq, Debug)]
-pub struct SessionSpec {
-    pub conn: Rc<ConnEntry>,
-    pub password: Option<String>,
+pub(crate) struct SessionSpec {
+    pub(crate) conn: Rc<ConnEntry>,
+    pub(crate) password: Option<String>,
     /// cfg.query_timeout in seconds (the plan entry's `query_timeout`).
-    pub timeout: f64,
+    pub(crate) timeout: f64,
 }
 
-pub struct Session {
+pub(crate) struct Session {
     conn: Conn,
     healthy: bool,
     /// A command is under way: a lease dropped meanwhile (the call's deadline fired) closes the session.
     busy: bool,
 }
 
-impl Session {
+impl Pooled for Session {
+    type Spec = SessionSpec;
+
+    async fn connect(spec: &SessionSpec) -> Result<Session, ExecError> {
+        connect(spec).await
+    }
+
+    fn reusable(&self) -> bool {
+        self.healthy && !self.busy
+    }
+
     /// Close without waiting on the server: COM_QUIT is written (or not, within 100 ms) and the socket
     /// closed. (Dropping a `Conn` would spawn a clean-up that first reads what the server still owes,
     /// forever when it is frozen.)
@@ -53,48 +64,18 @@ impl Session {
     }
 }
 
-pub struct Pool {
-    pub spec: SessionSpec,
-    slots: Slots<Session>,
-}
-
-impl HasSlots<Session> for Pool {
-    fn slots(&mut self) -> &mut Slots<Session> {
-        &mut self.slots
-    }
-}
-
-impl Pool {
-    /// A pooled session turned out stale: the idle ones are closed too (a restart ended them all).
-    pub fn purge_idle(&mut self) {
-        for s in self.slots.take_idle() {
-            s.close();
-            self.slots.closed();
-        }
-    }
-}
-
 thread_local! {
-    static POOLS: RefCell<HashMap<String, Rc<RefCell<Pool>>>> = RefCell::new(HashMap::new());
+    static POOLS: Pools<Session> = RefCell::new(HashMap::new());
 }
 
-pub fn pool_for(spec: &SessionSpec) -> Rc<RefCell<Pool>> {
-    POOLS.with(|p| {
-        let mut pools = p.borrow_mut();
-        if let Some(pool) = pools.get(&spec.conn.name) {
-            if pool.borrow().spec == *spec {
-                return pool.clone();
-            }
-        }
-        let pool = Rc::new(RefCell::new(Pool { spec: spec.clone(), slots: Slots::new(crate::pg::pool_cap()) }));
-        pools.insert(spec.conn.name.clone(), pool.clone());
-        pool
-    })
+/// The thread's pool of sessions for this connection entry, password and limit.
+pub(crate) fn pool_for(spec: &SessionSpec) -> Rc<RefCell<Pool<Session>>> {
+    pool::pool_for(&POOLS, &spec.conn.name, spec)
 }
 
 /// The SET that MySQLConnector._open runs first: MariaDB's limit in seconds (3 decimals), MySQL's in ms,
 /// each rounded up and at least 10 ms (`limits`: never 0, which is "no limit").
-pub fn time_limit_sql(mariadb: bool, timeout: f64) -> String {
+fn time_limit_sql(mariadb: bool, timeout: f64) -> String {
     if mariadb {
         format!("SET SESSION max_statement_time = {}", limits::mariadb_seconds(timeout))
     } else {
@@ -133,85 +114,26 @@ async fn open(spec: &SessionSpec) -> Result<Session, ExecError> {
     Ok(Session { conn, healthy: true, busy: false })
 }
 
-/// A checked-out session; goes back to its pool when dropped unless it broke or was dropped mid-command.
-pub struct Lease {
-    pool: Rc<RefCell<Pool>>,
-    session: Option<Session>,
-    /// The session came from the pool (it may be stale) rather than being opened for this call.
-    pub reused: bool,
-}
-
-impl Drop for Lease {
-    fn drop(&mut self) {
-        let mut p = self.pool.borrow_mut();
-        match self.session.take() {
-            Some(s) if s.healthy && !s.busy => p.slots.release(s),
-            Some(s) => {
-                s.close();
-                p.slots.closed();
-            }
-            None => p.slots.closed(),
-        }
-    }
-}
-
-impl Lease {
-    pub async fn get(pool: Rc<RefCell<Pool>>) -> Result<Lease, ExecError> {
-        loop {
-            let acquired = pool.borrow_mut().slots.acquire();
-            let grant = match acquired {
-                Acquired::Idle(s) => Grant::Session(s),
-                Acquired::Open => Grant::Open,
-                Acquired::Wait(rx) => match pool::wait(&pool, rx).await {
-                    Some(g) => g,
-                    None => continue,
-                },
-            };
-            match grant {
-                Grant::Session(s) => return Ok(Lease { pool, session: Some(s), reused: true }),
-                Grant::Open => {
-                    let spec = pool.borrow().spec.clone();
-                    return match connect(&spec).await {
-                        Ok(session) => Ok(Lease { pool, session: Some(session), reused: false }),
-                        Err(e) => {
-                            pool.borrow_mut().slots.closed();
-                            Err(e)
-                        }
-                    };
-                }
-            }
-        }
-    }
-
+/// A MySQL/MariaDB session's statements, on its lease (`pool::Lease`).
+impl Lease<Session> {
     fn conn(&mut self) -> &mut Conn {
-        &mut self.session.as_mut().expect("a lease holds its session until dropped").conn
-    }
-
-    fn session(&mut self) -> &mut Session {
-        self.session.as_mut().expect("a lease holds its session until dropped")
-    }
-
-    /// Mark the session broken: it is closed instead of going back to the pool.
-    pub fn discard(mut self) {
-        if let Some(s) = self.session.as_mut() {
-            s.healthy = false;
-        }
+        &mut self.session_mut().conn
     }
 
     /// The session is closed when the lease ends instead of going back to the pool.
-    pub fn retire(&mut self) {
-        self.session().healthy = false;
+    pub(crate) fn retire(&mut self) {
+        self.session_mut().healthy = false;
     }
 
     /// Prepare (or find in the session's statement cache).
-    pub async fn prepare(&mut self, sql: &str) -> Result<Statement, ExecError> {
-        self.session().busy = true;
+    pub(crate) async fn prepare(&mut self, sql: &str) -> Result<Statement, ExecError> {
+        self.session_mut().busy = true;
         let res = self.conn().prep(sql).await;
-        self.session().busy = false;
+        self.session_mut().busy = false;
         match res {
             Ok(st) => Ok(st),
             Err(e) if is_stale(&e) => {
-                self.session().healthy = false;
+                self.session_mut().healthy = false;
                 Err(ExecError::Stale)
             }
             Err(_) => Err(ExecError::Forward("prepare failed")),
@@ -220,26 +142,26 @@ impl Lease {
 
     /// Close a statement and drop it from the session's cache (a one-off statement holding literals). A
     /// failure marks the session broken: it is closed rather than reused.
-    pub async fn close(&mut self, st: Statement) {
-        self.session().busy = true;
+    pub(crate) async fn close(&mut self, st: Statement) {
+        self.session_mut().busy = true;
         let res = self.conn().close(st).await;
-        self.session().busy = false;
+        self.session_mut().busy = false;
         if res.is_err() {
-            self.session().healthy = false;
+            self.session_mut().healthy = false;
         }
     }
 
     /// Execute; (column names, rows of cells). Errors as MySQLConnector._run maps them.
-    pub async fn query(&mut self, st: &Statement, args: Vec<Value>) -> Result<(Vec<String>, Vec<Vec<Cell>>), ExecError> {
-        self.session().busy = true;
+    pub(crate) async fn query(&mut self, st: &Statement, args: Vec<Value>) -> Result<(Vec<String>, Vec<Vec<Cell>>), ExecError> {
+        self.session_mut().busy = true;
         let fetched = fetch(self.conn(), st, args).await;
-        self.session().busy = false;
+        self.session_mut().busy = false;
         let (columns, rows) = match fetched {
             Ok(x) => x,
             Err(e) => {
                 let (err, broken) = classify(e);
                 if broken {
-                    self.session().healthy = false;
+                    self.session_mut().healthy = false;
                 }
                 return Err(err);
             }
@@ -297,7 +219,7 @@ fn classify(e: mysql_async::Error) -> (ExecError, bool) {
 /// The statement with each float put in as the literal mysql-connector writes (`str(float)`, Python's
 /// repr: `0.1` is a DECIMAL literal to the server, `1e+16` a DOUBLE), the other markers kept; and the
 /// values still to bind. None when the publisher gave no pieces or they do not match the values.
-pub fn with_float_literals(pieces: Option<&[String]>, bound: &[PVal]) -> Option<(String, Vec<PVal>)> {
+pub(crate) fn with_float_literals(pieces: Option<&[String]>, bound: &[PVal]) -> Option<(String, Vec<PVal>)> {
     let pieces = pieces?;
     if pieces.len() != bound.len() + 1 {
         return None;
@@ -322,7 +244,7 @@ pub fn with_float_literals(pieces: Option<&[String]>, bound: &[PVal]) -> Option<
 /// The value mysql-connector would send for a bound Python value (`%s` interpolation): ints and bools
 /// (1/0) as integers, strings as strings, None as NULL. A float is put in the statement's text instead
 /// (`with_float_literals`).
-pub fn arg_for(v: &PVal) -> Option<Value> {
+pub(crate) fn arg_for(v: &PVal) -> Option<Value> {
     Some(match v {
         PVal::Null => Value::NULL,
         PVal::Int(i) => Value::Int(*i),
@@ -339,7 +261,7 @@ fn is_int_type(t: ColumnType) -> bool {
 
 /// Whether the plane renders a column of this type exactly as mysql-connector + render.py would.
 /// Not: SET (a Python set), GEOMETRY and VECTOR (driver-specific objects), anything unknown.
-pub fn column_supported(c: &Column) -> bool {
+pub(crate) fn column_supported(c: &Column) -> bool {
     use ColumnType::*;
     if c.flags().contains(ColumnFlags::SET_FLAG) {
         return false;
@@ -366,7 +288,7 @@ fn days_in_month(y: u16, m: u8) -> u8 {
 
 /// datetime.date(y, m, d).isoformat(); None where Python's constructor raises (the connector gives None:
 /// zero dates, zero months or days).
-pub fn date_iso(y: u16, m: u8, d: u8) -> Option<String> {
+fn date_iso(y: u16, m: u8, d: u8) -> Option<String> {
     if !(1..=9999).contains(&y) || !(1..=12).contains(&m) || d == 0 || d > days_in_month(y, m) {
         return None;
     }
@@ -374,7 +296,7 @@ pub fn date_iso(y: u16, m: u8, d: u8) -> Option<String> {
 }
 
 /// datetime.datetime(...).isoformat(): "T", and ".ffffff" only when microseconds are not zero.
-pub fn datetime_iso(y: u16, mo: u8, d: u8, h: u8, mi: u8, s: u8, us: u32) -> Option<String> {
+fn datetime_iso(y: u16, mo: u8, d: u8, h: u8, mi: u8, s: u8, us: u32) -> Option<String> {
     let date = date_iso(y, mo, d)?;
     if h > 23 || mi > 59 || s > 59 || us > 999_999 {
         return None;
@@ -387,7 +309,7 @@ pub fn datetime_iso(y: u16, mo: u8, d: u8, h: u8, mi: u8, s: u8, us: u32) -> Opt
 }
 
 /// A TIME as the connector's datetime.timedelta: (str(td), repr(td.total_seconds())).
-pub fn timedelta_texts(neg: bool, days: u32, h: u8, m: u8, s: u8, us: u32) -> (String, String) {
+fn timedelta_texts(neg: bool, days: u32, h: u8, m: u8, s: u8, us: u32) -> (String, String) {
     let mag = ((days as i64 * 24 + h as i64) * 3600 + m as i64 * 60 + s as i64) * 1_000_000 + us as i64;
     let total = if neg { -mag } else { mag };
     // timedelta normalises to days (may be negative), 0 <= seconds < 86400, 0 <= microseconds < 10**6
@@ -447,7 +369,7 @@ fn big_int_cell(v: u64) -> Cell {
 
 /// One binary-protocol value as mysql-connector's text conversion would return it; None when the
 /// plane cannot reproduce it (the call is forwarded).
-pub fn decode(c: &Column, v: Value) -> Option<Cell> {
+pub(crate) fn decode(c: &Column, v: Value) -> Option<Cell> {
     use ColumnType::*;
     let t = c.column_type();
     Some(match v {

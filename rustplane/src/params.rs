@@ -1,77 +1,13 @@
-//! Reserved call options and parameter binding with qag/params.py's rules and error sentences, and the
-//! error body exactly as Python's `json.dumps(err.body(rid))` writes it.
+//! A saved query's parameters with qag/params.py's rules and error sentences: the specs a plan entry
+//! carries (`Spec`), the reserved names, conversion of the query string's text, the rules (enum, min/max,
+//! lengths, pattern) and `bind`, every problem at once in Python's order.
 //!
 //! Anything whose Python outcome the plane cannot reproduce exactly (non-ASCII numerals, `_` in numbers,
-//! repeated names, very long values, a pattern the `regex` crate reads differently) yields `Forward`.
+//! very long values, a pattern the `regex` crate reads differently) yields `Forward`.
 
+use crate::error::{ApiError, Extra, Outcome};
 use crate::msgpack::Value;
-use crate::pyfmt::{float_g, float_repr, json_str};
-
-/// A JSON-able extra of an error body.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Extra {
-    Errors(Vec<(String, String)>),
-    Timeout(f64),
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub struct ApiError {
-    pub status: u16,
-    pub code: &'static str,
-    pub message: String,
-    pub extra: Option<Extra>,
-}
-
-impl ApiError {
-    pub fn new(status: u16, code: &'static str, message: impl Into<String>) -> ApiError {
-        ApiError { status, code, message: message.into(), extra: None }
-    }
-
-    /// `json.dumps({"error", "code", "request_id", **extra})`: separators ", " and ": ", ensure_ascii.
-    pub fn body(&self, rid: &str) -> Vec<u8> {
-        let mut s = String::with_capacity(128);
-        s.push_str("{\"error\": ");
-        json_str(&mut s, &self.message, true);
-        s.push_str(", \"code\": ");
-        json_str(&mut s, self.code, true);
-        s.push_str(", \"request_id\": ");
-        json_str(&mut s, rid, true);
-        match &self.extra {
-            None => {}
-            Some(Extra::Errors(errs)) => {
-                s.push_str(", \"errors\": {");
-                for (i, (k, v)) in errs.iter().enumerate() {
-                    if i > 0 {
-                        s.push_str(", ");
-                    }
-                    json_str(&mut s, k, true);
-                    s.push_str(": ");
-                    json_str(&mut s, v, true);
-                }
-                s.push('}');
-            }
-            Some(Extra::Timeout(t)) => {
-                s.push_str(", \"timeout\": ");
-                s.push_str(&float_repr(*t));
-            }
-        }
-        s.push('}');
-        s.into_bytes()
-    }
-}
-
-/// What a stage decides: an answer (error), or "let Python do it".
-#[derive(Debug, PartialEq)]
-pub enum Outcome {
-    Error(ApiError),
-    Forward(&'static str),
-}
-
-impl From<ApiError> for Outcome {
-    fn from(e: ApiError) -> Outcome {
-        Outcome::Error(e)
-    }
-}
+use crate::pyfmt::{float_repr, strip};
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum PType {
@@ -191,7 +127,7 @@ fn num_of(v: &Value) -> Option<Option<Num>> {
 }
 
 /// A Python `re` pattern the `regex` crate reads the same way, full-match anchored; None = forward.
-pub fn compile_pattern(p: &str) -> Option<regex::Regex> {
+fn compile_pattern(p: &str) -> Option<regex::Regex> {
     // Constructs that differ between the two engines (or only exist in one): let Python decide.
     for bad in ["&&", "--", "~~", "[:", "\\Z", "\\z", "\\A", "{,", "(?<", "(?#", "(?P=", "\\p", "\\P", "\\x{", "\\U", "\\N", "\\u", "\\0", "\\h", "\\K"] {
         if p.contains(bad) {
@@ -245,11 +181,6 @@ impl Spec {
             pattern,
         })
     }
-}
-
-/// Python's `str.strip()` for ASCII-only text (non-ASCII text never reaches here for non-str types).
-fn strip(s: &str) -> &str {
-    s.trim_matches(|c: char| c == ' ' || ('\t'..='\r').contains(&c) || ('\x1c'..='\x1f').contains(&c))
 }
 
 /// `_convert` for query-string text. Err(Ok(sentence)) = a param error; Err(Err(())) = forward.
@@ -349,135 +280,10 @@ fn check_rules(spec: &Spec, v: &PVal) -> Option<String> {
     None
 }
 
-/// One call's query string, parsed the way Falcon does (keep_blank, no csv), in first-seen order.
-/// None when a name repeats (Python builds a list) or decoding is not plain UTF-8: forward.
-pub fn parse_query(qs: &str) -> Option<Vec<(String, String)>> {
-    let mut out: Vec<(String, String)> = Vec::new();
-    if qs.is_empty() {
-        return Some(out);
-    }
-    let encoded = qs.contains('+') || qs.contains('%');
-    for field in qs.split('&') {
-        let (k, v) = field.split_once('=').unwrap_or((field, ""));
-        if v.is_empty() && k.is_empty() {
-            continue;
-        }
-        let (k, v) = if encoded { (pct_decode(k)?, pct_decode(v)?) } else { (k.to_string(), v.to_string()) };
-        if out.iter().any(|(n, _)| *n == k) {
-            return None;
-        }
-        out.push((k, v));
-    }
-    Some(out)
-}
-
-fn pct_decode(s: &str) -> Option<String> {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        match b[i] {
-            b'+' => out.push(b' '),
-            b'%' => {
-                let h = b.get(i + 1..i + 3)?; // a malformed escape: Falcon keeps it; rare, forward
-                let v = u8::from_str_radix(std::str::from_utf8(h).ok()?, 16).ok()?;
-                if !h.iter().all(u8::is_ascii_hexdigit) {
-                    return None;
-                }
-                out.push(v);
-                i += 2;
-            }
-            c => out.push(c),
-        }
-        i += 1;
-    }
-    String::from_utf8(out).ok() // invalid UTF-8: Falcon substitutes U+FFFD; forward instead
-}
-
-pub const RESERVED: [&str; 7] = ["format", "page", "page_size", "version", "timeout", "stream", "connection_name"];
-
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Format {
-    Json,
-    Ndjson,
-    Csv,
-}
-
-impl Format {
-    pub fn content_type(self) -> &'static str {
-        match self {
-            Format::Json => "application/json",
-            Format::Ndjson => "application/x-ndjson",
-            Format::Csv => "text/csv; charset=utf-8",
-        }
-    }
-}
-
-#[derive(Debug)]
-pub struct CallOptions {
-    pub format: Format,
-    pub page: i64,
-    pub page_size: i64,
-}
-
-fn int_opt(given: &[(String, String)], name: &str, default: i64, lo: i64, hi: Option<i64>) -> Result<i64, Outcome> {
-    let Some((_, raw)) = given.iter().find(|(k, _)| k == name) else { return Ok(default) };
-    if raw.is_empty() {
-        return Ok(default);
-    }
-    if !raw.is_ascii() {
-        return Err(Outcome::Forward("non-ASCII paging value"));
-    }
-    let t = strip(raw);
-    let digits = t.strip_prefix(['+', '-']).unwrap_or(t);
-    let ok = !digits.is_empty()
-        && digits.bytes().all(|b| b.is_ascii_digit() || b == b'_')
-        && !digits.starts_with('_')
-        && !digits.ends_with('_')
-        && !digits.contains("__");
-    if !ok {
-        return Err(ApiError::new(400, "invalid_paging", format!("{name} must be an integer.")).into());
-    }
-    let clean: String = t.chars().filter(|c| *c != '_').collect();
-    let v: i64 = clean.parse().map_err(|_| Outcome::Forward("paging value beyond 64 bits"))?;
-    if v < lo || hi.is_some_and(|h| v > h) {
-        let bound = match hi {
-            Some(h) => format!("between {lo} and {h}"),
-            None => format!("at least {lo}"),
-        };
-        return Err(ApiError::new(400, "invalid_paging", format!("{name} must be {bound}.")).into());
-    }
-    Ok(v)
-}
-
-/// call_options() for the plane: version, timeout and stream are Python's to handle (forward).
-pub fn call_options(given: &[(String, String)], default_page_size: i64, max_page_size: i64) -> Result<CallOptions, Outcome> {
-    for k in ["version", "timeout", "stream", "connection_name"] {
-        if given.iter().any(|(n, _)| n == k) {
-            return Err(Outcome::Forward("version, timeout, stream or connection_name given"));
-        }
-    }
-    let format = match given.iter().find(|(k, _)| k == "format") {
-        None => Format::Json,
-        Some((_, f)) => match f.to_ascii_lowercase().as_str() {
-            _ if !f.is_ascii() => return Err(Outcome::Forward("non-ASCII format")),
-            "json" => Format::Json,
-            "ndjson" => Format::Ndjson,
-            "csv" => Format::Csv,
-            // Every other format (tsv, xml, yaml, xlsx, parquet) and every bad one are Python's to render or refuse.
-            _ => return Err(Outcome::Forward("format rendered by Python")),
-        },
-    };
-    let page = int_opt(given, "page", 1, 1, None)?;
-    let page_size = int_opt(given, "page_size", default_page_size, 1, Some(max_page_size))?;
-    if page > i64::MAX / 2 / page_size.max(1) {
-        return Err(Outcome::Forward("page beyond 64-bit offsets"));
-    }
-    Ok(CallOptions { format, page, page_size })
-}
+const RESERVED: [&str; 7] = ["format", "page", "page_size", "version", "timeout", "stream", "connection_name"];
 
 /// bind(): every problem at once, in Python's order (specs, then unknown names in query order).
-pub fn bind(specs: &[Spec], given: &[(String, String)]) -> Result<Vec<(String, PVal)>, Outcome> {
+pub(crate) fn bind(specs: &[Spec], given: &[(String, String)]) -> Result<Vec<(String, PVal)>, Outcome> {
     let mut errors: Vec<(String, String)> = Vec::new();
     let mut missing = false;
     let mut values = Vec::with_capacity(specs.len());
@@ -530,16 +336,6 @@ pub fn bind(specs: &[Spec], given: &[(String, String)]) -> Result<Vec<(String, P
     }))
 }
 
-/// The 504 body of a statement over its limit (connectors.query_timeout).
-pub fn timeout_error(seconds: f64) -> ApiError {
-    ApiError {
-        status: 504,
-        code: "query_timeout",
-        message: format!("The statement ran longer than its time limit of {} s and was cancelled.", float_g(seconds)),
-        extra: Some(Extra::Timeout(seconds)),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -550,7 +346,7 @@ mod tests {
     }
 
     fn q(s: &str) -> Vec<(String, String)> {
-        parse_query(s).unwrap()
+        crate::options::parse_query(s).unwrap()
     }
 
     fn err_body(r: Result<Vec<(String, PVal)>, Outcome>) -> String {
@@ -637,26 +433,5 @@ mod tests {
         }
         assert_eq!(convert(&f, "\u{661}"), Err(Err(())), "Unicode digits: Python's to decide");
         assert_eq!(convert(&f, "1__0"), Err(Err(())), "underscores: Python's to decide");
-    }
-
-    #[test]
-    fn options_like_python() {
-        let o = call_options(&q("format=CSV&page=2&page_size=5"), 10, 1000).unwrap();
-        assert_eq!((o.format, o.page, o.page_size), (Format::Csv, 2, 5));
-        let e = |qs: &str| match call_options(&q(qs), 10, 1000) {
-            Err(Outcome::Error(e)) => String::from_utf8(e.body("r")).unwrap(),
-            other => panic!("{other:?}"),
-        };
-        assert!(matches!(call_options(&q("format=xml"), 10, 1000), Err(Outcome::Forward(_))), "Python renders xml");
-        assert!(matches!(call_options(&q("format=bogus"), 10, 1000), Err(Outcome::Forward(_))), "Python refuses it");
-        assert_eq!(e("page=0"), r#"{"error": "page must be at least 1.", "code": "invalid_paging", "request_id": "r"}"#);
-        assert_eq!(e("page_size=1001"), r#"{"error": "page_size must be between 1 and 1000.", "code": "invalid_paging", "request_id": "r"}"#);
-        assert_eq!(e("page=1.5"), r#"{"error": "page must be an integer.", "code": "invalid_paging", "request_id": "r"}"#);
-        assert!(matches!(call_options(&q("stream=true"), 10, 1000), Err(Outcome::Forward(_))));
-        assert_eq!(call_options(&q("page=1_0"), 10, 1000).unwrap().page, 10);
-        assert!(parse_query("a=1&a=2").is_none(), "a repeated name is a list in Python: forward");
-        assert_eq!(q("a&=x&b=&&c=%2B+1"), vec![("a".into(), "".into()), ("".into(), "x".into()), ("b".into(), "".into()), ("c".into(), "+ 1".into())]);
-        let t = String::from_utf8(timeout_error(30.0).body("r")).unwrap();
-        assert_eq!(t, r#"{"error": "The statement ran longer than its time limit of 30 s and was cancelled.", "code": "query_timeout", "request_id": "r", "timeout": 30.0}"#);
     }
 }

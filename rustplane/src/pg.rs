@@ -5,7 +5,8 @@
 
 use crate::entries::ConnEntry;
 use crate::limits;
-use crate::pool::{self, Acquired, Grant, HasSlots, Slots};
+use crate::error::ExecError;
+use crate::pool::{self, Lease, Pool, Pooled, Pools};
 use crate::params::PVal;
 use crate::pyfmt::{decimal_str, float_repr, hex};
 use crate::render::{parse_json, Cell};
@@ -21,7 +22,7 @@ use tokio_postgres::{Client, NoTls, Statement};
 
 /// A bound value, sent in text format.
 #[derive(Debug)]
-pub struct Arg(pub Option<String>);
+pub(crate) struct Arg(Option<String>);
 
 impl ToSql for Arg {
     fn to_sql(&self, _ty: &Type, out: &mut BytesMut) -> Result<IsNull, Box<dyn StdError + Sync + Send>> {
@@ -64,7 +65,7 @@ impl<'a> FromSql<'a> for Raw<'a> {
 
 /// The text a parameter of PostgreSQL type `ty` gets for value `v`, or None when psycopg2's literal
 /// would behave differently (then the call is forwarded to Python).
-pub fn arg_for(ty: &Type, v: &PVal) -> Option<Arg> {
+pub(crate) fn arg_for(ty: &Type, v: &PVal) -> Option<Arg> {
     let int_types = [Type::INT2, Type::INT4, Type::INT8];
     Some(Arg(match v {
         PVal::Null => None,
@@ -81,7 +82,7 @@ pub fn arg_for(ty: &Type, v: &PVal) -> Option<Arg> {
 }
 
 /// The type of a psycopg2 literal for a parameter of this spec type.
-pub fn literal_type(t: crate::params::PType) -> Type {
+pub(crate) fn literal_type(t: crate::params::PType) -> Type {
     use crate::params::PType;
     match t {
         PType::Int => Type::INT8,
@@ -92,7 +93,7 @@ pub fn literal_type(t: crate::params::PType) -> Type {
 }
 
 /// Whether the plane can render a column of this type exactly as psycopg2 + render.py would.
-pub fn column_supported(ty: &Type, tz_utc: bool) -> bool {
+pub(crate) fn column_supported(ty: &Type, tz_utc: bool) -> bool {
     if matches!(ty.kind(), Kind::Enum(_)) {
         return true;
     }
@@ -105,7 +106,7 @@ pub fn column_supported(ty: &Type, tz_utc: bool) -> bool {
         || (*ty == Type::TIMESTAMPTZ && tz_utc)
 }
 
-pub fn is_json(ty: &Type) -> bool {
+pub(crate) fn is_json(ty: &Type) -> bool {
     *ty == Type::JSON || *ty == Type::JSONB
 }
 
@@ -158,7 +159,7 @@ fn timestamp_text(us: i64) -> Option<String> {
 }
 
 /// PostgreSQL's binary numeric to (str(Decimal), JSON/CSV text); None for NaN and infinities.
-pub fn numeric_texts(b: &[u8]) -> Option<(String, String)> {
+fn numeric_texts(b: &[u8]) -> Option<(String, String)> {
     if b.len() < 8 {
         return None;
     }
@@ -205,7 +206,7 @@ pub fn numeric_texts(b: &[u8]) -> Option<(String, String)> {
 /// A decimal of sign, integer digits (no leading zeros, "0" for none) and fractional digits, as
 /// (str(Decimal), what render.py prints: an int when integral and below 2**63, else the float's repr).
 /// None when the float is not finite.
-pub fn decimal_texts(neg: bool, int_part: &str, frac: &str) -> Option<(String, String)> {
+pub(crate) fn decimal_texts(neg: bool, int_part: &str, frac: &str) -> Option<(String, String)> {
     let text = decimal_str(neg, int_part, frac);
     let integral = frac.bytes().all(|c| c == b'0');
     let num = if integral {
@@ -228,7 +229,7 @@ pub fn decimal_texts(neg: bool, int_part: &str, frac: &str) -> Option<(String, S
 }
 
 /// One binary value as psycopg2 would return it; None when the plane cannot reproduce it exactly.
-pub fn decode(ty: &Type, raw: Option<&[u8]>) -> Option<Cell> {
+pub(crate) fn decode(ty: &Type, raw: Option<&[u8]>) -> Option<Cell> {
     let Some(b) = raw else { return Some(Cell::Null) };
     let text = || std::str::from_utf8(b).ok().map(str::to_string);
     Some(match *ty {
@@ -276,20 +277,6 @@ pub fn decode(ty: &Type, raw: Option<&[u8]>) -> Option<Cell> {
     })
 }
 
-/// How a statement failed, in the terms the request path answers with.
-#[derive(Debug)]
-pub enum ExecError {
-    /// The database rejected the statement (500 query_failed).
-    Rejected,
-    /// statement_timeout (504 query_timeout).
-    Timeout,
-    /// The session is gone (the server restarted, the connection was terminated or closed): a read on a
-    /// pooled session is retried once on a fresh one, else forwarded.
-    Stale,
-    /// Connection trouble, an unexpected value, anything Python should answer: forward.
-    Forward(&'static str),
-}
-
 /// Whether a PostgreSQL error means the session is unusable: SQLSTATE classes 08 (connection exception)
 /// and 57P (admin or crash shutdown, cannot connect now), or no server error at all (the socket failed or
 /// the connection closed).
@@ -303,22 +290,33 @@ fn is_stale(e: &tokio_postgres::Error) -> bool {
     }
 }
 
-pub struct Session {
+pub(crate) struct Session {
     client: Client,
     /// The task driving the connection's socket: aborted when the session is discarded, so a session
     /// given up on (a frozen server) closes its socket at once instead of waiting for an answer forever.
     task: tokio::task::JoinHandle<()>,
     stmts: HashMap<String, Statement>,
-    pub tz_utc: bool,
+    pub(crate) tz_utc: bool,
     healthy: bool,
     /// An exchange with the server is under way. A lease dropped meanwhile (the call's deadline fired) must
     /// not give the session back: its connection still owes answers to a request nobody waits for.
     busy: bool,
 }
 
-impl Session {
+impl Pooled for Session {
+    type Spec = SessionSpec;
+
+    async fn connect(spec: &SessionSpec) -> Result<Session, ExecError> {
+        connect(spec).await
+    }
+
     fn reusable(&self) -> bool {
         self.healthy && !self.busy && !self.client.is_closed()
+    }
+
+    /// Dropping the session aborts its connection task: the socket closes now.
+    fn close(self) {
+        drop(self);
     }
 }
 
@@ -330,56 +328,19 @@ impl Drop for Session {
 
 /// Pool key: everything that defines a session; a changed connection entry makes a new pool.
 #[derive(Clone, PartialEq, Debug)]
-pub struct SessionSpec {
-    pub conn: Rc<ConnEntry>,
-    pub password: Option<String>,
-    pub timeout_ms: u64,
-}
-
-pub struct Pool {
-    pub spec: SessionSpec,
-    /// at most `pool_cap()` sessions per thread and connection, like a worker's pool
-    slots: Slots<Session>,
-}
-
-impl HasSlots<Session> for Pool {
-    fn slots(&mut self) -> &mut Slots<Session> {
-        &mut self.slots
-    }
-}
-
-impl Pool {
-    /// A pooled session turned out stale: the idle ones were opened before the same event (a restart
-    /// ends them all), so they are closed now rather than each costing a caller a failed try.
-    pub fn purge_idle(&mut self) {
-        for s in self.slots.take_idle() {
-            drop(s);
-            self.slots.closed();
-        }
-    }
-}
-
-/// Sessions per plane thread and connection: QAG_POOL_SIZE (default 8), as each Python worker keeps.
-pub fn pool_cap() -> usize {
-    std::env::var("QAG_POOL_SIZE").ok().and_then(|v| v.parse().ok()).filter(|n| *n > 0).unwrap_or(8)
+pub(crate) struct SessionSpec {
+    pub(crate) conn: Rc<ConnEntry>,
+    pub(crate) password: Option<String>,
+    pub(crate) timeout_ms: u64,
 }
 
 thread_local! {
-    static POOLS: RefCell<HashMap<String, Rc<RefCell<Pool>>>> = RefCell::new(HashMap::new());
+    static POOLS: Pools<Session> = RefCell::new(HashMap::new());
 }
 
-pub fn pool_for(spec: &SessionSpec) -> Rc<RefCell<Pool>> {
-    POOLS.with(|p| {
-        let mut pools = p.borrow_mut();
-        if let Some(pool) = pools.get(&spec.conn.name) {
-            if pool.borrow().spec == *spec {
-                return pool.clone();
-            }
-        }
-        let pool = Rc::new(RefCell::new(Pool { spec: spec.clone(), slots: Slots::new(pool_cap()) }));
-        pools.insert(spec.conn.name.clone(), pool.clone());
-        pool
-    })
+/// The thread's pool of sessions for this connection entry, password and limit.
+pub(crate) fn pool_for(spec: &SessionSpec) -> Rc<RefCell<Pool<Session>>> {
+    pool::pool_for(&POOLS, &spec.conn.name, spec)
 }
 
 async fn connect(spec: &SessionSpec) -> Result<Session, ExecError> {
@@ -432,81 +393,16 @@ async fn open(spec: &SessionSpec) -> Result<Session, ExecError> {
 const RESET_SESSION: &str = "CLOSE ALL; SET SESSION AUTHORIZATION DEFAULT; RESET ALL; UNLISTEN *; \
 SELECT pg_advisory_unlock_all(); DISCARD PLANS; DISCARD TEMP; DISCARD SEQUENCES";
 
-/// A checked-out session; goes back to its pool when dropped, unless it broke or was dropped mid-exchange.
-pub struct Lease {
-    pool: Rc<RefCell<Pool>>,
-    session: Option<Session>,
-    /// The session came from the pool (it may be stale) rather than being opened for this call.
-    pub reused: bool,
-}
-
-impl Drop for Lease {
-    fn drop(&mut self) {
-        let mut p = self.pool.borrow_mut();
-        match self.session.take() {
-            Some(s) if s.reusable() => p.slots.release(s),
-            other => {
-                drop(other); // its connection task is aborted: the socket closes now
-                p.slots.closed(); // closed, broken or abandoned mid-exchange: its place is free again
-            }
-        }
-    }
-}
-
-impl Lease {
-    pub async fn get(pool: Rc<RefCell<Pool>>) -> Result<Lease, ExecError> {
-        loop {
-            let acquired = pool.borrow_mut().slots.acquire();
-            let grant = match acquired {
-                Acquired::Idle(s) => Grant::Session(s),
-                Acquired::Open => Grant::Open,
-                Acquired::Wait(rx) => match pool::wait(&pool, rx).await {
-                    Some(g) => g,
-                    None => continue,
-                },
-            };
-            match grant {
-                Grant::Session(s) if s.reusable() => return Ok(Lease { pool, session: Some(s), reused: true }),
-                Grant::Session(s) => {
-                    drop(s);
-                    pool.borrow_mut().slots.closed();
-                }
-                Grant::Open => {
-                    let spec = pool.borrow().spec.clone();
-                    return match connect(&spec).await {
-                        Ok(session) => Ok(Lease { pool, session: Some(session), reused: false }),
-                        Err(e) => {
-                            pool.borrow_mut().slots.closed();
-                            Err(e)
-                        }
-                    };
-                }
-            }
-        }
-    }
-
-    fn s(&self) -> &Session {
-        self.session.as_ref().expect("a lease holds its session until dropped")
-    }
-
-    pub fn tz_utc(&self) -> bool {
-        self.s().tz_utc
-    }
-
-    /// Give the session back (dropping the lease does the same; kept for readability at call sites).
-    pub fn release(self) {}
-
-    /// Mark the session broken: it is closed instead of going back to the pool.
-    pub fn discard(mut self) {
-        if let Some(s) = self.session.as_mut() {
-            s.healthy = false;
-        }
+/// A PostgreSQL session's statements, on its lease (`pool::Lease`).
+impl Lease<Session> {
+    pub(crate) fn tz_utc(&self) -> bool {
+        self.session().tz_utc
     }
 
     /// `typed`: the types psycopg2's literals would have (str → text, int → int8, float → numeric, bool),
     /// used only when PostgreSQL cannot infer a parameter's type by itself (`:x IS NULL`).
-    pub async fn prepare(&mut self, sql: &str, typed: &[Type]) -> Result<Statement, ExecError> {
-        let session = self.session.as_mut().expect("a lease holds its session");
+    pub(crate) async fn prepare(&mut self, sql: &str, typed: &[Type]) -> Result<Statement, ExecError> {
+        let session = self.session_mut();
         if let Some(s) = session.stmts.get(sql) {
             return Ok(s.clone());
         }
@@ -540,9 +436,9 @@ impl Lease {
     /// `RESET_SESSION`, sent with it (tokio-postgres pipelines requests polled together: one write, one
     /// round trip), before the session serves anyone else. A state-free read is the statement alone.
     /// Rows of cells in select-list order.
-    pub async fn query(&mut self, st: &Statement, args: &[Arg], state_free: bool) -> Result<Vec<Vec<Cell>>, ExecError> {
+    pub(crate) async fn query(&mut self, st: &Statement, args: &[Arg], state_free: bool) -> Result<Vec<Vec<Cell>>, ExecError> {
         let params: Vec<&(dyn ToSql + Sync)> = args.iter().map(|a| a as &(dyn ToSql + Sync)).collect();
-        let session = self.session.as_mut().expect("a lease holds its session");
+        let session = self.session_mut();
         session.busy = true;
         let client = &session.client;
         let (result, end) = if state_free {

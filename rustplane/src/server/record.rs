@@ -1,0 +1,129 @@
+//! Recording a served call as any worker's is recorded (Observer.request + RingRecorder): its counters and
+//! histograms in the plane's counter slot (series registered once per thread, N1), and its run record
+//! (qag/runrecord.py's field order, `served_by = "plane"`) pushed into the plane's ring (R1-R3), waiting
+//! up to QAG_RECORD_WAIT_MS on a full ring before the run is counted lost.
+
+use super::Shared;
+use crate::msgpack::Enc;
+use crate::segment::{KIND_COUNTER, KIND_HISTOGRAM};
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+/// The route label of every call the plane serves.
+const ROUTE: &str = "/q/{name}";
+
+/// Counter cells of the plane's slot, by series, and the ring: one writer at a time (N1, R*).
+#[derive(Default)]
+pub(super) struct Producer {
+    /// (metric, label value) -> first cell; None when the series could not be registered.
+    cells: HashMap<&'static str, HashMap<String, Option<u32>>>,
+}
+
+/// One call's run record (qag/runrecord.py field order), written by `Shared::finish`.
+pub(super) struct Run {
+    pub(super) at_us: i64,
+    pub(super) key_name: Option<String>,
+    pub(super) query: String,
+    pub(super) version: Option<i64>,
+    pub(super) connection: Option<String>,
+    pub(super) status: u16,
+    pub(super) code: Option<&'static str>,
+    pub(super) rows: i64,
+    pub(super) bytes: i64,
+    pub(super) request_id: String,
+}
+
+impl Shared {
+    fn cell(&self, p: &mut Producer, kind: u8, name: &'static str, labels: &[(&str, &str)]) -> Option<u32> {
+        // every metric here has at most one label that varies (route is constant)
+        let var = labels.iter().rfind(|(k, _)| *k != "route").map_or("", |(_, v)| *v);
+        if let Some(c) = p.cells.get(name).and_then(|m| m.get(var)) {
+            return *c;
+        }
+        let c = match self.seg.series_cell(kind, name, labels) {
+            Ok(c) => Some(c),
+            Err(e) => {
+                eprintln!("qag-plane: metric {name} not counted: {e}");
+                None
+            }
+        };
+        p.cells.entry(name).or_default().insert(var.to_string(), c);
+        c
+    }
+
+    /// Observer.request + RingRecorder: count the call in our slot, push the run into our ring.
+    pub(super) async fn finish(&self, run: Run, t0: Instant, query_seconds: Option<f64>, plan_hit: Option<bool>) {
+        let duration = t0.elapsed().as_secs_f64();
+        let mut e = Enc::default();
+        e.array(15);
+        e.uint(1);
+        e.int(run.at_us);
+        e.opt_str(run.key_name.as_deref());
+        e.str(&run.query);
+        e.opt_int(run.version);
+        e.opt_str(run.connection.as_deref());
+        e.uint(run.status as u64);
+        e.opt_str(run.code);
+        e.int(run.rows);
+        e.int((duration * 1e6) as i64);
+        e.int(run.bytes);
+        e.str(&run.request_id);
+        e.str("plane");
+        e.str("http");
+        e.str(ROUTE);
+        let payload = e.0;
+        let slot = self.slot;
+        {
+            let mut p = self.producer.lock().unwrap_or_else(|e| e.into_inner());
+            let status = run.status.to_string();
+            let seg = &self.seg;
+            if let Some(c) = self.cell(&mut p, KIND_COUNTER, "qag_requests_total", &[("route", ROUTE), ("status", &status)]) {
+                seg.cell_add(slot, c, 1.0);
+            }
+            if let Some(code) = run.code {
+                if let Some(c) = self.cell(&mut p, KIND_COUNTER, "qag_errors_total", &[("code", code)]) {
+                    seg.cell_add(slot, c, 1.0);
+                }
+            }
+            if run.rows != 0 {
+                if let Some(c) = self.cell(&mut p, KIND_COUNTER, "qag_rows_total", &[]) {
+                    seg.cell_add(slot, c, run.rows as f64);
+                }
+            }
+            if let Some(c) = self.cell(&mut p, KIND_HISTOGRAM, "qag_request_duration_seconds", &[("route", ROUTE)]) {
+                seg.histogram_observe(slot, c, duration);
+            }
+            if let Some(q) = query_seconds {
+                if let Some(c) = self.cell(&mut p, KIND_HISTOGRAM, "qag_query_duration_seconds", &[]) {
+                    seg.histogram_observe(slot, c, q);
+                }
+            }
+            if let Some(hit) = plan_hit {
+                if let Some(c) = self.cell(&mut p, KIND_COUNTER, "qag_plan_cache_total", &[("result", if hit { "hit" } else { "miss" })]) {
+                    seg.cell_add(slot, c, 1.0);
+                }
+            }
+        }
+        let deadline = Instant::now() + Duration::from_millis(self.record_wait_ms);
+        let mut pause = Duration::from_micros(100);
+        let ok = loop {
+            let pushed = {
+                let _p = self.producer.lock().unwrap_or_else(|e| e.into_inner());
+                self.seg.ring_push(slot, &payload)
+            };
+            if pushed {
+                break true;
+            }
+            if Instant::now() >= deadline {
+                break false;
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(2));
+        };
+        let mut p = self.producer.lock().unwrap_or_else(|e| e.into_inner());
+        let name = if ok { "qag_runs_recorded_total" } else { "qag_runs_lost_total" };
+        if let Some(c) = self.cell(&mut p, KIND_COUNTER, name, &[]) {
+            self.seg.cell_add(slot, c, 1.0);
+        }
+    }
+}
