@@ -84,7 +84,7 @@ fn write_cell_json(out: &mut String, c: &Cell) {
 }
 
 /// For each distinct column name in first-occurrence order: (name, index of its last occurrence).
-pub fn dict_layout(columns: &[String]) -> Vec<(usize, usize)> {
+fn dict_layout(columns: &[String]) -> Vec<(usize, usize)> {
     let mut out: Vec<(usize, usize)> = Vec::new();
     for (i, c) in columns.iter().enumerate() {
         if let Some(e) = out.iter_mut().find(|e| columns[e.0] == *c) {
@@ -144,7 +144,7 @@ fn csv_field(out: &mut String, s: &str, alone: bool) {
 }
 
 /// `_csv_value(v)` as text; None for values render.py would print with repr() of a container (forwarded).
-pub fn csv_text(c: &Cell) -> Option<String> {
+fn csv_text(c: &Cell) -> Option<String> {
     Some(match c {
         Cell::Null => String::new(),
         Cell::Bool(b) => (if *b { "true" } else { "false" }).to_string(),

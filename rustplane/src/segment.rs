@@ -10,37 +10,37 @@ use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-pub const MAGIC: u64 = 0x5347_4151;
-pub const MAJOR: u64 = 1;
+const MAGIC: u64 = 0x5347_4151;
+const MAJOR: u64 = 1;
 
 // [Header]
 pub const H_TOTAL_SIZE: usize = 8;
 pub const H_CREATED_AT_NS: usize = 16;
 pub const H_CREATOR_PID: usize = 24;
-pub const H_SLOTS: usize = 28;
+const H_SLOTS: usize = 28;
 pub const H_HEADER_SIZE: usize = 32;
 pub const H_REGION_COUNT: usize = 36;
-pub const H_GEN_SLOTS: usize = 64;
-pub const H_CACHE_SLOT_COUNT: usize = 68;
-pub const H_CACHE_SLOT_SIZE: usize = 72;
-pub const H_CACHE_WAYS: usize = 76;
-pub const H_RING_CAPACITY: usize = 80;
-pub const H_RING_HEADER_SIZE: usize = 84;
-pub const H_SERIES_MAX: usize = 88;
-pub const H_SERIES_ENTRY_SIZE: usize = 92;
-pub const H_CELLS_PER_SLOT: usize = 96;
-pub const H_SLOT_META_SIZE: usize = 100;
-pub const H_HIST_BUCKETS: usize = 104;
-pub const H_RING_STRIDE: usize = 108;
-pub const H_REGIONS: usize = 128;
+const H_GEN_SLOTS: usize = 64;
+const H_CACHE_SLOT_COUNT: usize = 68;
+const H_CACHE_SLOT_SIZE: usize = 72;
+const H_CACHE_WAYS: usize = 76;
+const H_RING_CAPACITY: usize = 80;
+const H_RING_HEADER_SIZE: usize = 84;
+const H_SERIES_MAX: usize = 88;
+const H_SERIES_ENTRY_SIZE: usize = 92;
+const H_CELLS_PER_SLOT: usize = 96;
+const H_SLOT_META_SIZE: usize = 100;
+const H_HIST_BUCKETS: usize = 104;
+const H_RING_STRIDE: usize = 108;
+const H_REGIONS: usize = 128;
 pub const H_HIST_BOUNDS: usize = 256;
-pub const H_GLOBAL_GEN: usize = 512;
+const H_GLOBAL_GEN: usize = 512;
 pub const L_OWNER_PID: usize = 576;
 pub const L_OWNER_START: usize = 584;
-pub const L_ACQUIRED_AT_NS: usize = 592;
+const L_ACQUIRED_AT_NS: usize = 592;
 pub const L_SEQ: usize = 600;
 pub const L_DIRTY_CACHE_SLOT: usize = 608;
-pub const L_TAKEOVERS: usize = 616;
+const L_TAKEOVERS: usize = 616;
 pub const H_SERIES_COUNT: usize = 640;
 pub const H_CELLS_USED: usize = 648;
 pub const H_CACHE_PUTS: usize = 704;
@@ -48,23 +48,23 @@ pub const H_CACHE_USED: usize = 736;
 
 pub const REGION_NAMES: [&str; 7] = ["slot_meta", "generations", "series", "counters", "cache_tags", "cache", "rings"];
 pub const R_SLOT_META: usize = 0;
-pub const R_GENERATIONS: usize = 1;
+const R_GENERATIONS: usize = 1;
 pub const R_SERIES: usize = 2;
-pub const R_COUNTERS: usize = 3;
+const R_COUNTERS: usize = 3;
 pub const R_CACHE_TAGS: usize = 4;
 pub const R_CACHE: usize = 5;
-pub const R_RINGS: usize = 6;
+const R_RINGS: usize = 6;
 
-pub const CACHE_READ_RETRIES: usize = 64; // C4
-pub const CACHE_SLOT_HEADER: usize = 64;
-pub const SERIES_ENTRY_SIZE: usize = 256;
+const CACHE_READ_RETRIES: usize = 64; // C4
+const CACHE_SLOT_HEADER: usize = 64;
+const SERIES_ENTRY_SIZE: usize = 256;
 pub const RING_HEADER_SIZE: usize = 128;
 pub const PAD_LENGTH: u64 = 0xFFFF_FFFF;
 
 pub const KIND_COUNTER: u8 = 1;
 pub const KIND_GAUGE: u8 = 2;
 pub const KIND_HISTOGRAM: u8 = 3;
-pub const ROLE_PLANE: u64 = 3;
+const ROLE_PLANE: u64 = 3;
 
 /// Generation kinds in table order (G1).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -104,7 +104,7 @@ pub struct Geometry {
     pub hist_bounds: Vec<f64>,
 }
 
-pub type Labels = Vec<(String, String)>;
+type Labels = Vec<(String, String)>;
 
 /// (kind, identifier, generation) an entry was built from ([Cache entries]).
 pub type EntryGen = (GenKind, String, u64);
@@ -127,7 +127,7 @@ fn now_ns() -> u64 {
 }
 
 /// Field 22 of /proc/<pid>/stat (start time in clock ticks), 0 if unreadable.
-pub fn proc_start(pid: u32) -> u64 {
+fn proc_start(pid: u32) -> u64 {
     let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return 0 };
     let Some(close) = text.rfind(')') else { return 0 };
     text[close + 1..].split_whitespace().nth(19).and_then(|s| s.parse().ok()).unwrap_or(0)
@@ -577,7 +577,7 @@ pub fn encode_desc(name: &str, labels: &Labels) -> Vec<u8> {
     e.0
 }
 
-pub fn decode_desc(b: &[u8]) -> Option<(String, Labels)> {
+fn decode_desc(b: &[u8]) -> Option<(String, Labels)> {
     let v = msgpack::decode(b)?;
     let a = v.as_array()?;
     let name = a.first()?.as_str()?.to_string();
