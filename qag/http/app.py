@@ -7,13 +7,9 @@ to histograms and to a `Server-Timing` header.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import logging
 import math
-import os
-import re
-import secrets
 import time
 from typing import Any
 
@@ -24,44 +20,12 @@ from qag import connectors
 from qag.auth import Auth
 from qag.errors import ApiError, DomainError
 from qag.http import errors as http_errors
+from qag.http.common import client_addr, read_json, request_id
 from qag.metrics import Observer
 from qag.runtime import Runtime
 
-REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 TRUE = frozenset(("1", "true", "yes", "on"))
 FALSE = frozenset(("0", "false", "no", "off", ""))
-
-
-_RID_PREFIX = secrets.token_hex(4)  # per process (re-drawn after fork by _reseed), so ids never collide
-_rid_counter = itertools.count(1)
-
-
-def _reseed() -> None:
-    global _RID_PREFIX, _rid_counter
-    _RID_PREFIX = secrets.token_hex(4)
-    _rid_counter = itertools.count(1)
-
-
-os.register_at_fork(after_in_child=_reseed)
-
-
-def request_id(req) -> str:
-    """The caller's X-Request-Id when well-formed, else a fresh one: 16 hex characters without a syscall."""
-    rid = req.get_header("X-Request-Id")
-    if rid and REQUEST_ID_RE.fullmatch(rid):
-        return rid
-    return f"{_RID_PREFIX}{next(_rid_counter) & 0xFFFFFFFF:08x}"
-
-
-def client_addr(req) -> str | None:
-    """The caller's address. Behind the data plane gunicorn listens only on a unix socket in QAG_HOME, the
-    plane strips any X-Qag-Client-Addr a client sends and sets it to the caller's address: trusted then,
-    and only then (on a TCP bind, a client could forge it)."""
-    if req.env.get("qag.behind_plane"):
-        forwarded = req.get_header("X-Qag-Client-Addr")
-        if forwarded:
-            return forwarded
-    return req.remote_addr
 
 
 def send_error(req, resp, err: ApiError) -> None:
@@ -75,30 +39,6 @@ def send_error(req, resp, err: ApiError) -> None:
         resp.set_header(k, v)
 
 
-def read_json(req, cfg, *, allow_empty: bool = False) -> dict:
-    """The request body as a JSON object: 413 when too large, 400 invalid_body otherwise."""
-    length = req.content_length
-    if length is not None and length > cfg.max_body_bytes:
-        raise ApiError(413, "body_too_large", f"The request body is larger than {cfg.max_body_bytes} bytes.")
-    if length is None and req.env.get("wsgi.input_terminated"):
-        raw = req.stream.read(cfg.max_body_bytes + 1)  # chunked: the server ends the stream for us
-    else:
-        raw = req.bounded_stream.read(cfg.max_body_bytes + 1)
-    if len(raw) > cfg.max_body_bytes:
-        raise ApiError(413, "body_too_large", f"The request body is larger than {cfg.max_body_bytes} bytes.")
-    if not raw.strip():
-        if allow_empty:
-            return {}
-        raise ApiError(400, "invalid_body", "Send a JSON object as the request body.")
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, "invalid_body", f"The request body is not valid JSON: {exc}.") from None
-    except RecursionError:  # `[[[[…` a few thousand deep: the parser's recursion, not the server, gives up
-        raise ApiError(400, "invalid_body", "The request body nests JSON too deeply.") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "invalid_body", "The request body must be a JSON object.")
-    return body
 
 
 class RequestIdMiddleware:
@@ -531,8 +471,7 @@ class QagApp:
         self.subscribers = OpenCount("subscriber", cfg.key_subscribers, cfg.max_subscribers, segment, slot)
         self.connection_calls = InFlight(cfg.connection_calls)
         self.behind_plane = bool(getattr(cfg, "public_bind", None)) and str(cfg.bind).startswith("unix:")
-        self._run_store = None
-        self._apply = None
+        self.opened_run_store = None
         middleware: list = [RequestIdMiddleware(self)]
         if getattr(cfg, "cors_origins", ()):
             middleware.insert(0, CorsMiddleware(cfg.cors_origins))
@@ -583,15 +522,6 @@ class QagApp:
             return 304
         resp.data = body
         return 200
-
-    def run_store(self):
-        """The run store, opened on first use by this worker (reads only: the recorder writes)."""
-        if self._run_store is None:
-            if not self.run_store_url:
-                raise ApiError(503, "run_store_unavailable", "This server records no runs (no run store).")
-            from qag.runstore import open_store
-            self._run_store = open_store(self.run_store_url)
-        return self._run_store
 
     def apply_transforms(self, transforms, cols, rows, key, names=None):
         """The plan's masking; a result whose columns no longer match the plan (a table changed under

@@ -11,13 +11,13 @@ from qag import formats as F
 from qag import render
 from qag.errors import ApiError, ConnectorError, QueryFailed, SecretKeyProblem
 from qag.http import errors as http_errors
+from qag.http.common import client_addr
 
 _SYSTEM_SCHEMAS = {"pg_catalog", "information_schema", "pg_toast", "mysql", "performance_schema", "sys", "system",
                    "INFORMATION_SCHEMA"}
 
 
 def _principal(app, req):
-    from qag.http.app import client_addr
     return app.auth.authenticate_caller(req.get_header("X-API-Key"), req.get_header("Authorization"),
                                         client_addr(req))
 

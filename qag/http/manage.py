@@ -5,7 +5,6 @@ then answers: so no worker serves a revoked key or an old version once the call 
 """
 from __future__ import annotations
 
-import json
 import re
 import time
 
@@ -13,8 +12,8 @@ import falcon
 
 from qag import params as P, plan as plan_mod, timeutil
 from qag.http import errors as http_errors
-from qag.http.app import read_json, client_addr
 from qag.errors import ApiError, DomainError, Unreachable
+from qag.http.common import ok, read_json, require_admin
 from qag.store import GRANT_FIELDS, public_connection, public_key
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
@@ -22,24 +21,6 @@ DBS = ("postgres", "mysql", "sqlite", "clickhouse")
 WRITE_OPS = ("insert", "update", "delete", "merge", "replace", "upsert", "create", "drop", "alter", "truncate",
              "grant", "revoke", "copy", "call", "lock")
 MASK_ACTIONS = ("hash", "mask", "null", "drop")
-
-
-def require_admin(app, req):
-    # The Console calls this API in-process as its signed-in administrator, through a WSGI environ key that no
-    # request header can set (qag/http/console); everyone else authenticates with X-API-Key.
-    p = req.env.get("qag.console_principal") or app.auth.authenticate(req.get_header("X-API-Key"), client_addr(req))
-    if not p.admin:
-        raise ApiError(403, "forbidden", "This route is for administrators; use QAG_ADMIN_KEY or an administrator "
-                       "token.")
-    return p
-
-
-def ok(resp, body, status=200, no_store=False):
-    resp.status = falcon.code_to_http_status(status)
-    resp.content_type = "application/json"
-    resp.text = json.dumps(body)
-    if no_store:
-        resp.set_header("Cache-Control", "no-store")
 
 
 def check_name(value, what: str) -> str:

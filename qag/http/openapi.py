@@ -14,6 +14,9 @@ import falcon
 
 from qag import __version__, render
 from qag.errors import ApiError
+from qag.http import manage as M
+from qag.http.common import client_addr
+from qag.http.roles import ROLE_FIELDS
 
 NAME = {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$"}
 TS = {"type": ["string", "null"], "format": "date-time"}
@@ -167,7 +170,6 @@ def _rows_response() -> dict:
 
 
 def static_paths() -> dict:
-    from qag.http import manage as M
     conn_body = body_schema(M.CONN_FIELDS, ("name", "db"))
     conn_patch = body_schema([f for f in M.CONN_FIELDS if f != "name"])
     query_body = body_schema(M.QUERY_FIELDS, ("name", "connection_name", "sql"))
@@ -310,7 +312,6 @@ def static_paths() -> dict:
 
 
 def _role_body(create: bool) -> dict:
-    from qag.http.roles import ROLE_FIELDS
     fields = ROLE_FIELDS if create else tuple(f for f in ROLE_FIELDS if f != "name")
     return body_schema(fields, ("name",) if create else ())
 
@@ -372,7 +373,6 @@ class OpenAPI:
         self.app = app
 
     def on_get(self, req, resp):
-        from qag.http.app import client_addr
         principal = None
         secret, bearer = req.get_header("X-API-Key"), req.get_header("Authorization")
         if secret or bearer:

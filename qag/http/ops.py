@@ -5,6 +5,7 @@ import hmac
 
 from qag import __version__
 from qag.errors import ApiError
+from qag.http import openapi
 
 
 class Health:
@@ -34,5 +35,4 @@ def register(app) -> None:
     f = app.falcon
     f.add_route("/health", Health(app))
     f.add_route("/metrics", Metrics(app))
-    from qag.http import openapi
     openapi.register(app)  # /openapi.json, /docs and /

@@ -6,18 +6,9 @@ from __future__ import annotations
 import falcon
 
 from qag import identity
-from qag.http.manage import (
-    GRANT_FIELDS,
-    _type_error,
-    check_fields,
-    check_name,
-    list_page,
-    ok,
-    read_json,
-    require_admin,
-    validate_grants,
-)
 from qag.errors import ApiError
+from qag.http.common import ok, read_json, require_admin
+from qag.http.manage import GRANT_FIELDS, _type_error, check_fields, check_name, list_page, validate_grants
 
 ROLE_FIELDS = ("name", "description", "require_claims") + GRANT_FIELDS
 

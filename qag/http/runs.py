@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import json
 
-from qag.http.manage import ok, require_admin
-from qag.http.app import client_addr
 from qag.errors import ApiError
+from qag.http.common import client_addr, ok, require_admin, run_store
 
 
 def _int(req, name, default, lo, hi):
@@ -30,7 +29,7 @@ def _store_call(app, fn):
     """One read of the run store: a bad filter is 400; a store that cannot be reached or read is 503
     store_unavailable (the runs are not lost: the recorder keeps them in its journal meanwhile)."""
     try:
-        return fn(app.run_store())
+        return fn(run_store(app))
     except ApiError:
         raise
     except ValueError as exc:
@@ -111,7 +110,7 @@ class Events:
                 from None
         limit_total = _int(req, "limit", 0, 0, 10_000_000)  # 0: follow for ever
         key_name = None if p.admin else p.name
-        store = app.run_store()
+        store = run_store(app)
         holder = p.name if not p.admin else "\x00admin"
         app.subscribers.acquire(holder)
         feed = Feed(store=store, auth=app.auth, secret=secret, addr=client_addr(req), admin=p.admin,

@@ -23,6 +23,7 @@ import urllib.parse
 import falcon
 
 from qag.errors import ApiError
+from qag.http.common import client_addr
 
 COOKIE = "qag_console"
 PRINCIPAL_ENV = "qag.console_principal"   # a dotted WSGI key: no request header maps to it (PEP 3333)
@@ -208,7 +209,6 @@ class Login(Console):
         fields = {k: v[-1] for k, v in urllib.parse.parse_qs(raw, keep_blank_values=True).items()}
         token = fields.get("token", "")
         nxt = _safe_next(fields.get("next"))
-        from qag.http.app import client_addr
         try:
             p = self.app.auth.authenticate(token or None, client_addr(req))
         except ApiError:
