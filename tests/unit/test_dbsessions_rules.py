@@ -7,7 +7,7 @@ import pytest
 from qag import config
 from qag.connectors import limit_ms, state_free
 from qag.errors import ApiError
-from qag.http.app import call_options
+from qag.http.options import call_options
 
 CFG = config.load({"QAG_QUERY_TIMEOUT": "30"})
 
