@@ -10,9 +10,11 @@ import time
 
 import falcon
 
-from qag import params as P, plan as plan_mod, timeutil
-from qag.http import errors as http_errors
+from qag import params as P
+from qag import plan as plan_mod
+from qag import timeutil
 from qag.errors import ApiError, DomainError, Unreachable
+from qag.http import errors as http_errors
 from qag.http.common import ok, read_json, require_admin
 from qag.store import GRANT_FIELDS, public_connection, public_key
 

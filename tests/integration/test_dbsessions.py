@@ -85,7 +85,7 @@ def test_pg_statement_error_of_an_operational_class_is_query_failed(pg):
     c, _ = pg
     with pytest.raises(QueryFailed) as ei:
         one(c, "SELECT pg_stat_file('ada@example.com')")
-    assert "ada@example.com" in ei.value.db_text  # for administrators; app.query_failed hides it from keys
+    assert "ada@example.com" in ei.value.db_text  # for administrators; qag/http/errors.py hides it from keys
     assert one(c, "SELECT 1") == [(1,)]
 
 
