@@ -64,3 +64,4 @@ docs: venv
 bench-smoke: venv oha
 	PATH="$(CURDIR)/$(VENV)/bin:$(CARGO_BIN):$$PATH" $(PY) bench/oltp.py --smoke
 	PATH="$(CURDIR)/$(VENV)/bin:$(CARGO_BIN):$$PATH" $(PY) bench/tpcc_mysql.py --smoke
+	PATH="$(CURDIR)/$(VENV)/bin:$(CARGO_BIN):$$PATH" $(PY) bench/formats.py --smoke
