@@ -69,9 +69,10 @@ CORPUS = [
     decimal.Decimal(2 ** 63), decimal.Decimal("NaN"), decimal.Decimal("Infinity"), decimal.Decimal("-1E+400"),
     dt.datetime(2026, 11, 30, 6, 59, 53), dt.datetime(2026, 11, 30, 6, 59, 53, 123000, tzinfo=dt.UTC),
     dt.datetime(1, 1, 1, tzinfo=_TZ), dt.date(2026, 2, 28), dt.time(6, 59), dt.time(6, 59, 1, 5, tzinfo=_TZ),
-    dt.timedelta(days=1, microseconds=3), b"", b"\x00\xff", bytearray(b"\x01"), memoryview(b"\x02\x03"),
+    dt.timedelta(days=1, microseconds=3), dt.time(0, 0, 0, 10000), b"", b"\x00\xff", bytearray(b"\x01"), memoryview(b"\x02\x03"),
     uuid.UUID("12345678-1234-5678-1234-567812345678"), {"b", "a"},
-    1.0, 0.1, 1e-05, 1e16, -0.0, 5e-324, float("nan"), float("inf"),
+    1.0, 0.1, 1e-05, 1e-4, 9.999999999999999e-05, 1e16, 1.5e300, -0.0, 5e-324, float("nan"), float("inf"),
+    dt.datetime(1890, 1, 1, tzinfo=dt.timezone(dt.timedelta(seconds=1172))), dt.datetime(1, 1, 1, 0, 0, 0, 1),
     {"v": 1.5e-7, "é": [1, None]}, [1, "a", 1e-05], (1, 2), {1: "int key"}, _Color.RED, _Str("sub"),
 ]
 
@@ -112,14 +113,20 @@ def test_declared_types_skip_the_scan_but_keep_the_bytes(monkeypatch):
     for fn in (render.render_json, render.render_ndjson, render.render_csv):
         fast, slow = _both(fn, cols, rows, monkeypatch)
         assert fast == slow and isinstance(fast, bytes)
-    assert render._fast(cols, rows)
-    assert not render._fast(["f"], [(1.5,)])   # a float takes the standard path
-    assert not render._fast(["a", "b"], [(1, 2), (3,)])   # so do ragged rows
+    assert render._fast_option(cols, rows) is render._OPT   # an aware datetime: isoformat() writes it
+    naive = formats.Columns(["t"], [formats.TIMESTAMP])
+    assert render._fast_option(naive, [(dt.datetime(2026, 1, 1),)]) is render._OPT_NAIVE
+    assert render._fast_option(["t"], [(dt.time(0, 0, 0, 10000),)]) is render._OPT   # orjson writes .10000
+    assert render._fast_option(["f"], [(1.5,), (0.0,), (None,)]) is not None
+    assert render._fast_option(["f"], [(1.5,), (1e-05,)]) is None   # orjson writes 0.00001: the standard path
+    assert render._fast_option(["f"], [(float("nan"),)]) is None
+    assert render._fast_option(["a", "b"], [(1, 2), (3,)]) is None   # so do ragged rows
 
 
 _scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.text(), st.floats(allow_nan=True),
-                     st.decimals(allow_nan=True), st.datetimes(timezones=st.none() | st.timezones()),
-                     st.dates(), st.binary(max_size=8), st.uuids())
+                     st.floats(min_value=-1e-3, max_value=1e-3), st.decimals(allow_nan=True),
+                     st.datetimes(timezones=st.none() | st.timezones()), st.times(), st.dates(),
+                     st.binary(max_size=8), st.uuids())
 
 
 @pytest.mark.skipif(render._orjson is None, reason="orjson not installed: there is one path only")
