@@ -12,7 +12,7 @@ import uuid
 import harness as H
 import targets as T
 
-BLOCKS = ('dbonly', 'throughput', 'latency', 'governance', 'rows', 'openloop', 'forward', 'workers', 'threads',
+BLOCKS = ('dbonly', 'throughput', 'latency', 'governance', 'rows', 'writes', 'openloop', 'forward', 'workers', 'threads',
           'recording', 'roundtrips', 'profile')
 ROWS_LIST, ROWS_FORMATS = (1, 10, 100, 1000), ('json', 'ndjson', 'csv')
 # the smoke run's rows cells: each format's per-row path (the other blocks' calls are one row or a hundred)
@@ -44,6 +44,9 @@ def parse_args(description, default_out, extra=None, db_floor='floor_pg'):
     p.add_argument('--scale-callers', type=int, default=64, help='callers in the workers block')
     p.add_argument('--workers-list', default='', help='worker counts for the workers block (default 1..#gateway CPUs)')
     p.add_argument('--threads-list', default='1,2,4,8')
+    p.add_argument('--writes-callers', default='1,8,32', help='callers in the writes block')
+    p.add_argument('--writes-threads', default='', help='qag threads per worker to try in the writes block '
+                                                       '(default: qag\'s own default only), e.g. 4,8,16')
     p.add_argument('--rows-list', default=','.join(map(str, ROWS_LIST)), help='rows per call in the rows block')
     p.add_argument('--rows-formats', default=','.join(ROWS_FORMATS), help='formats in the rows block')
     p.add_argument('--roundtrip-rounds', type=int, default=1, help='rounds of the roundtrips block (counts, not timings)')
@@ -70,6 +73,7 @@ def parse_args(description, default_out, extra=None, db_floor='floor_pg'):
     opts.rows_cells = [(int(n), f) for f in opts.rows_formats.split(',') for n in opts.rows_list.split(',')]
     if opts.smoke:
         opts.rows_cells = list(SMOKE_ROWS)
+        opts.writes_callers = '1,32'
     opts.open_rounds = opts.open_rounds or opts.rounds
     opts.open_fractions = tuple(float(f) for f in opts.open_fractions.split(',') if f.strip()) or OPEN_FRACTIONS
     for b in opts.blocks:
@@ -308,6 +312,26 @@ class Bench:
                     except Exception as exc:  # noqa: BLE001
                         self.fail('rows', f'{t.name} {call.name}', exc)
                 self.rotation += 1
+
+    def block_writes(self):
+        """Writes at --writes-callers (1, 8, 32): one worker; a write waits on its commit, so calls/s at many
+        callers is bounded by how many commits are in flight (threads per worker, the pool), not by CPU: the
+        gateway's CPU share (gw_cores) beside calls/s says which. --writes-threads 4,8,16 runs qag at each."""
+        calls = [c for c in self.calls if c.name.startswith(('deposit', 'write'))]
+        threads = [int(x) for x in self.opts.writes_threads.split(',') if x.strip()] or [None]
+        for call in calls:
+            tgts = [t for t in self.supporting(call, kinds=('gateway',))]
+            for conns in [int(x) for x in self.opts.writes_callers.split(',')]:
+                for rnd in range(self.opts.rounds):
+                    for t in H.rotated(tgts, self.rotation):
+                        for th in (threads if t.name.startswith('qag') else [None]):
+                            try:
+                                self.start(t, workers=1, threads=th)
+                                r = self.measured(t, call, conns=conns, duration=self.opts.duration)
+                                self.record('writes', t, call, rnd, r, conns=conns)
+                            except Exception as exc:  # noqa: BLE001
+                                self.fail('writes', f'{t.name} {call.name} {conns}c {th}t', exc)
+                    self.rotation += 1
 
     def block_governance(self):
         """What the allow-list and masking cost: on one running target, runs of the plain and the governed key

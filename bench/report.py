@@ -14,7 +14,7 @@ TARGET_ORDER = ['peer', 'peer_cache', 'qag', 'qag_plane', 'floor_pg', 'floor_mys
 LABEL = {'peer': 'QueryAPIGate 0.43', 'peer_cache': 'QueryAPIGate 0.43 + cache', 'qag': 'qag', 'qag_plane': 'qag + plane',
          'floor_pg': 'Falcon+psycopg2 floor', 'floor_mysql': 'Falcon+mysql-connector floor',
          'floor_hello': 'Falcon hello floor', 'postgres': 'PostgreSQL'}
-BLOCK_ORDER = ['dbonly', 'throughput', 'latency', 'governance', 'rows', 'capacity', 'openloop', 'forward', 'workers',
+BLOCK_ORDER = ['dbonly', 'throughput', 'latency', 'governance', 'rows', 'writes', 'capacity', 'openloop', 'forward', 'workers',
                'threads', 'recording', 'roundtrips']
 
 
@@ -501,6 +501,23 @@ class Report:
         plt.close(fig)
         self.w(f'![CPU µs per call against rows per call]({name})\n')
 
+    def writes(self, rows):
+        """The writes block: calls/s, calls per gateway CPU-second, the gateway's CPU share and p50 by callers (and
+        qag's threads per worker)."""
+        if not rows:
+            return
+        self.w('### Writes by callers\n')
+        self.w('One worker, the write (`deposit`) at 1, 8 and 32 callers. Cells: calls/s; calls per gateway '
+               'CPU-second; the gateway\'s CPU share (cores busy, of the one it has); p50 ms. A CPU share well under '
+               '1 at many callers means calls wait on commits, not on the CPU.\n')
+        out = []
+        for (t, th, c), rs in sorted(group(rows, 'target', 'threads', 'conns').items(),
+                                     key=lambda kv: (order_targets([kv[0][0]]), kv[0][1] or 0, kv[0][2])):
+            out.append([LABEL.get(t, t), th or 'default', c, cell([r.get('rps') for r in rs]),
+                        cell([r.get('calls_per_gw_cpu_s') for r in rs]), cell([r.get('gw_cores') for r in rs], 2),
+                        cell([r.get('p50_ms') for r in rs], 2)])
+        self.w(table(['target', 'threads', 'callers', 'calls/s', 'calls per gw CPU-s', 'gw cores', 'p50 ms'], out))
+
     def chart_openloop(self, rows, targets, harness):
         try:
             import matplotlib
@@ -550,6 +567,7 @@ class Report:
                 self.chart_throughput(b('throughput'), harness)
             self.closed(b('latency'), 'One caller at a time', 'Closed loop, 1 caller: the latency of a single call.')
             self.rows_per_call(b('rows'), harness)
+            self.writes(b('writes'))
             self.openloop(b('openloop'), harness)
             self.forward(b('forward'))
             self.scaling(b('workers'), 'workers', 'Workers (one per gateway CPU, pinned)',
