@@ -329,7 +329,8 @@ class Runtime:
                            f"The connection '{crow['name']}' is inactive; an administrator must reactivate it.")
         self.check_privileged(principal, vrow, crow, connector, cgen)
         p = plan_mod.build(key=principal.key, query=qrow, version=vrow, connection=crow, connector=connector,
-                           cfg=self.cfg, gens=plan_gens, columns_of=self.columns_of_factory(crow["name"], connector, cgen),
+                           cfg=self.cfg, gens=plan_gens,
+                           columns_of=self.columns_of_factory(crow["name"], connector, cgen),
                            functions_of=self.functions_of_factory(crow["name"], connector, cgen),
                            views_of=self.views_of_factory(crow["name"], connector, cgen))
         # A governed plan naming relations the catalogue does not know is used once, never kept nor published:

@@ -43,7 +43,8 @@ FIELD_SCHEMAS = {
     "description": {"type": ["string", "null"]}, "publish": {"type": ["boolean", "null"]},
     "cache_ttl": {"type": ["integer", "null"], "minimum": 0}, "mask": MASK_RULES,
     "allow_unsafe": {"type": ["boolean", "null"]}, "expires_at": TS,
-    "queries": STR_LIST, "connections": STR_LIST, "allowed_tables": STR_LIST, "allow_writes": {"type": ["boolean", "null"]},
+    "queries": STR_LIST, "connections": STR_LIST, "allowed_tables": STR_LIST,
+    "allow_writes": {"type": ["boolean", "null"]},
     "allowed_write_ops": STR_LIST, "allowed_ips": STR_LIST,
     "rate_limit": {"type": ["string", "null"], "examples": ["60/minute"]},
     "quota": {"type": ["string", "object", "null"], "examples": ["10000/day"]},
@@ -90,7 +91,8 @@ KEY = {"type": "object", "properties": {
 RUN = {"type": "object", "properties": {
     "event_id": {"type": "integer"}, "at": TS, "query": {"type": ["string", "null"]},
     "version": {"type": ["integer", "null"]}, "key_name": {"type": ["string", "null"]},
-    "connection_name": {"type": ["string", "null"]}, "status": {"type": "integer"}, "code": {"type": ["string", "null"]},
+    "connection_name": {"type": ["string", "null"]}, "status": {"type": "integer"},
+    "code": {"type": ["string", "null"]},
     "rows": {"type": "integer"}, "duration_ms": {"type": "number"}, "request_id": {"type": ["string", "null"]},
     "served_by": {"type": ["string", "null"]}}}
 USAGE = {"type": "object", "properties": {
@@ -271,7 +273,8 @@ def static_paths() -> dict:
                         errors={**ADMIN_ERRORS, "404": _err("No such role"), "409": _err("Exists")})},
         "/api/v1/api-keys/{name}": {
             "parameters": PATH_NAME,
-            "get": _op("get_key", "Get an API key", _json("ApiKey"), errors={**ADMIN_ERRORS, "404": _err("No such key")}),
+            "get": _op("get_key", "Get an API key", _json("ApiKey"),
+                       errors={**ADMIN_ERRORS, "404": _err("No such key")}),
             "patch": _op("change_key", "Change or revoke a key", _json("ApiKey"), body=key_patch,
                          errors={**ADMIN_ERRORS, "404": _err("No such key")}),
             "delete": _op("delete_key", "Delete a key", {"description": "Deleted"}, status="204",
@@ -318,7 +321,8 @@ def _role_body(create: bool) -> dict:
 
 CATALOG_ENTRY = {"type": "object", "properties": {
     "name": NAME, "description": {"type": "string"}, "version": {"type": "integer"},
-    "connection_name": NAME, "parameters": {"type": "object"}, "formats": {"type": "array", "items": {"type": "string"}},
+    "connection_name": NAME, "parameters": {"type": "object"},
+    "formats": {"type": "array", "items": {"type": "string"}},
     "stream_formats": {"type": "array", "items": {"type": "string"}}, "cache_ttl": {"type": ["integer", "null"]},
     "writes": {"type": ["boolean", "null"]}, "masking": {"type": ["array", "null"]}, "path": {"type": "string"}}}
 

@@ -14,7 +14,7 @@ class Health:
 
     def on_get(self, req, resp):
         resp.content_type = "application/json"
-        resp.text = '{"status": "ok", "version": "%s"}' % __version__
+        resp.text = f'{{"status": "ok", "version": "{__version__}"}}'
 
 
 class Metrics:

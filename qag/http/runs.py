@@ -81,9 +81,10 @@ class Usage:
         unknown = set(req.params) - {"per", "since", "until", "key", "query"}
         if unknown:
             raise ApiError(400, "unknown_field", f"Unknown filter(s) {', '.join(sorted(unknown))}.")
-        items = _store_call(self.app, lambda store: store.usage(per=req.get_param("per") or "hour", since=req.get_param("since"),
-                                                until=req.get_param("until"), key=req.get_param("key"),
-                                                query=req.get_param("query")))
+        items = _store_call(self.app, lambda store: store.usage(per=req.get_param("per") or "hour",
+                                                                since=req.get_param("since"),
+                                                                until=req.get_param("until"), key=req.get_param("key"),
+                                                                query=req.get_param("query")))
         ok(resp, {"items": items, "next_cursor": None})
 
 

@@ -37,7 +37,8 @@ class RingRecorder:
     def __call__(self, run: dict) -> bool:
         payload = runrecord.pack(run["at_us"], run["key_name"], run["query"], run["version"], run["connection"],
                                  run["status"], run["code"], run["rows"], run["duration_us"], run["bytes"],
-                                 run["request_id"], run.get("served_by") or self.served_by, run["transport"], run["route"])
+                                 run["request_id"], run.get("served_by") or self.served_by, run["transport"],
+                                 run["route"])
         with self.lock:
             ok = self.ring.push(payload, 0)
         if not ok and self.wait_ms:

@@ -15,8 +15,6 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("qag", "shm")
 # Who may import qag.http: the process side that serves it, and the demo that runs it.
 HTTP_IMPORTERS = ("qag.server", "qag.demo")
-# Circles being taken apart in this very pass (issue 14), allowed until their change lands; none is left.
-PENDING: dict = {}
 
 
 def module_files() -> dict[str, Path]:
@@ -159,7 +157,7 @@ def test_the_graph_sees_every_kind_of_import():
 
 def test_no_module_imports_one_that_imports_it_back():
     graph = import_graph()
-    found = [k for k in knots(graph) if not any(pending(k) for pending in PENDING.values())]
+    found = knots(graph)
     assert not found, "import circles (move the shared name to the module lower in the layering):\n" + "\n".join(
         f"{_describe(_circle_in(set(k), graph), graph)}   [the knot: {', '.join(k)}]" for k in found)
 
