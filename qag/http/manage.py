@@ -141,7 +141,11 @@ class Connections:
         p = require_admin(self.app, req)
         c = validate_connection(read_json(req, self.app.cfg))
         c.setdefault("active", True)
-        row = self.app.runtime.store.create_connection(p.name, c)
+        store = self.app.runtime.store
+        if c["active"] and store.get_connection(c["name"]) is None:
+            # an active connection is reached before it is saved ("active": false saves one on purpose)
+            reach(self.app, _probe_row(c), c.get("password"))
+        row = store.create_connection(p.name, c)
         self.app.runtime.changed("connection", c["name"])
         ok(resp, public_connection(row), 201)
 
@@ -168,7 +172,15 @@ class Connection:
                            {"field": "name"})
         body.pop("name", None)
         changes = validate_connection(body, partial=True)
-        row = self.app.runtime.store.update_connection(p.name, name, changes)
+        store = self.app.runtime.store
+        before = store.get_connection(name)
+        if before is not None and changes.get("active", before["active"]) and (
+                not before["active"] or set(changes) & REACH_FIELDS):
+            # what an active connection becomes is reached before it is saved, as at create
+            merged = {**before, **{k: v for k, v in changes.items() if k != "password"}}
+            password = changes["password"] if "password" in changes else store.connection_password(before)
+            reach(self.app, _probe_row(merged), password)
+        row = store.update_connection(p.name, name, changes)
         self.app.runtime.changed("connection", name)
         ok(resp, public_connection(row))
 
@@ -177,6 +189,39 @@ class Connection:
         self.app.runtime.store.delete_connection(p.name, name)
         self.app.runtime.changed("connection", name)
         resp.status = falcon.HTTP_204
+
+
+REACH_FIELDS = {"db", "host", "port", "user", "password", "database", "options"}
+
+
+def _probe_row(c: dict) -> dict:
+    return {"name": c["name"], "db": c["db"], "host": c.get("host"), "port": c.get("port"), "user": c.get("user"),
+            "database": c.get("database"), "options": c.get("options") or {}, "active": True}
+
+
+def reach(app, row: dict, password) -> tuple[float, dict]:
+    """Connect and run SELECT 1 as a call would (/connections/test, and before an active connection is saved):
+    (latency in s, privileges). Unreachable: 502 connection_failed with the driver's words (administrators only
+    call this: they help)."""
+    from qag import connectors
+    conn = connectors.make(row, password, app.cfg)
+    t0 = time.perf_counter()
+    try:
+        conn.run("SELECT 1", (), write=False, timeout=None, max_rows=1, state_free=True)
+        latency = time.perf_counter() - t0
+        # connectors S8: keys with an allow-list or masking rules are refused a privileged connection
+        # (403 connection_privileged) unless options.allow_superuser is true
+        try:
+            priv = conn.privileges()
+        except connectors.ConnectorError:
+            priv = {"superuser": None, "server_files": None, "privileged": None, "detail": []}
+    except connectors.QueryFailed as exc:
+        raise ApiError(502, "connection_failed", f"Connected, but SELECT 1 failed: {exc.db_text}") from None
+    except Unreachable as exc:
+        raise http_errors.answer(exc, admin=True) from None  # administrators only here: the driver's words help
+    finally:
+        conn.close()
+    return latency, priv
 
 
 class ConnectionTest:
@@ -199,24 +244,7 @@ class ConnectionTest:
                    "user": c.get("user"), "database": c.get("database"), "options": c.get("options") or {},
                    "active": True}
             password = c.get("password")
-        from qag import connectors
-        conn = connectors.make(row, password, self.app.cfg)
-        t0 = time.perf_counter()
-        try:
-            conn.run("SELECT 1", (), write=False, timeout=None, max_rows=1, state_free=True)
-            latency = time.perf_counter() - t0
-            # connectors S8: keys with an allow-list or masking rules are refused a privileged connection
-            # (403 connection_privileged) unless options.allow_superuser is true
-            try:
-                priv = conn.privileges()
-            except connectors.ConnectorError:
-                priv = {"superuser": None, "server_files": None, "privileged": None, "detail": []}
-        except connectors.QueryFailed as exc:
-            raise ApiError(502, "connection_failed", f"Connected, but SELECT 1 failed: {exc.db_text}") from None
-        except Unreachable as exc:
-            raise http_errors.answer(exc, admin=True) from None  # administrators only here: the driver's words help
-        finally:
-            conn.close()
+        latency, priv = reach(self.app, row, password)
         allowed = (row.get("options") or {}).get("allow_superuser") is True
         ok(resp, {"ok": True, "name": row["name"], "db": row["db"], "latency_ms": round(latency * 1000, 3),
                   "privileged": priv["privileged"], "superuser": priv["superuser"],

@@ -30,8 +30,13 @@ def srv():
     for name, extra in conns.items():
         post(s, "/api/v1/connections", {"name": name, "db": "postgres", "host": "127.0.0.1", "port": 5432,
                                         "database": "qag_dbsess_http", "password": "pw-s3cret", **extra})
-    post(s, "/api/v1/connections", {"name": "gone", "db": "postgres", "host": "127.0.0.1", "port": free_port(),
-                                    "user": "postgres", "password": "pw-s3cret", "database": "x"})
+    # "gone": reached when it is saved (an active connection is), then its database goes away
+    gone = pg_fresh_db("qag_dbsess_gone")
+    post(s, "/api/v1/connections", {"name": "gone", "db": "postgres", "host": "127.0.0.1", "port": 5432,
+                                    "user": "postgres", "password": "pw-s3cret", "database": "qag_dbsess_gone"})
+    pg_exec(gone.rsplit("/", 1)[0] + "/postgres", "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = 'qag_dbsess_gone'")
+    pg_exec(gone.rsplit("/", 1)[0] + "/postgres", "DROP DATABASE qag_dbsess_gone")
     queries = {
         "stat": ("su", "SELECT pg_stat_file(:f) IS NOT NULL AS x", {"f": "str"}),
         "gone": ("gone", "SELECT 1 AS one", {}),

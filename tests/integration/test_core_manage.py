@@ -36,7 +36,7 @@ def sqlite_db(tmp_path):
 def test_connection_crud_and_password_never_shown(app_client, sqlite_db):
     c = app_client
     r = post(c, "/api/v1/connections", {"name": "pg1", "db": "postgres", "host": "127.0.0.1", "port": 5432,
-                                        "user": "postgres", "password": "s3cret!", "database": "x"}, 201)
+                                        "user": "postgres", "password": "s3cret!", "database": "x", "active": False}, 201)
     assert r.json["password"] == "********" and "s3cret" not in r.text
     assert post(c, "/api/v1/connections", {"name": "pg1", "db": "postgres"}).json["code"] == "connection_exists"
     for body, code in (({"name": "x y", "db": "postgres"}, "invalid_name"),
@@ -247,3 +247,31 @@ def test_quota_and_cache_ttl(app_client, sqlite_db):
     r = c.simulate_get("/q/n", headers=h)
     assert r.status_code == 429 and r.json["code"] == "quota_exceeded" and int(r.headers["Retry-After"]) >= 1
     assert post(c, "/api/v1/api-keys", {"name": "bad", "quota": "many"}).json["code"] == "invalid_body"
+
+
+def test_an_active_connection_is_reached_before_it_is_saved(app_client, sqlite_db, tmp_path):
+    """Issue 15: a SQLite file that does not exist and a server that cannot be reached are reported at create
+    (as /connections/test reports them) and nothing is saved; "active": false saves one on purpose, and
+    activating it or pointing an active one elsewhere is reached first too."""
+    from tests.conftest import free_port
+    c = app_client
+    missing = str(tmp_path / "nowhere" / "missing.db")
+    dead = {"db": "postgres", "host": "127.0.0.1", "port": free_port(), "user": "postgres", "database": "postgres"}
+    for name, body in (("lost", {"db": "sqlite", "database": missing}), ("dead", dead),
+                       ("nodb", {**dead, "port": 5432, "database": "qag_no_such_database"})):
+        r = post(c, "/api/v1/connections", {"name": name, **body})
+        assert r.status_code == 502 and r.json["code"] == "connection_failed", (name, r.text)
+        assert c.simulate_get(f"/api/v1/connections/{name}", headers=A).status_code == 404
+        r = post(c, "/api/v1/connections", {"name": name, **body, "active": False}, 201)
+        assert r.json["active"] is False
+        r = c.simulate_patch(f"/api/v1/connections/{name}", json={"active": True}, headers=A)
+        assert r.status_code == 502 and r.json["code"] == "connection_failed", r.text
+        assert c.simulate_get(f"/api/v1/connections/{name}", headers=A).json["active"] is False
+    post(c, "/api/v1/connections", {"name": "ok", "db": "sqlite", "database": sqlite_db}, 201)
+    r = c.simulate_patch("/api/v1/connections/ok", json={"database": missing}, headers=A)
+    assert r.status_code == 502 and r.json["code"] == "connection_failed"
+    assert c.simulate_get("/api/v1/connections/ok", headers=A).json["database"] == sqlite_db
+    # a change that does not move the connection is not probed; deactivating never is
+    assert c.simulate_patch("/api/v1/connections/ok", json={"active": False}, headers=A).status_code == 200
+    r = c.simulate_patch("/api/v1/connections/lost", json={"database": sqlite_db, "active": True}, headers=A)
+    assert r.status_code == 200 and r.json["active"] is True

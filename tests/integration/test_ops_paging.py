@@ -70,6 +70,7 @@ def test_connections_page_through_every_item_once_in_order(client, limit, tmp_pa
     if not client.simulate_get("/api/v1/connections", headers=H).json["items"]:
         for n in NAMES:
             r = client.simulate_post("/api/v1/connections", headers=H,
-                                     body=json.dumps({"name": n, "db": "sqlite", "database": str(tmp_path / "x.db")}))
+                                     body=json.dumps({"name": n, "db": "sqlite", "database": str(tmp_path / "x.db"),
+                                                      "active": False}))
             assert r.status_code == 201, r.text
     assert _all_pages(client, "/api/v1/connections", limit) == sorted(NAMES)
