@@ -296,7 +296,8 @@ def plan(client: Client, want: dict, prune: bool = False, update_secrets: bool =
             p.steps.append(Step(f"+ connection {name} ({c.get('db')} {_where(c)})",
                                 do=lambda body=body: client.call("POST", "/api/v1/connections", body),
                                 undo=lambda name=name: client.call("DELETE", f"/api/v1/connections/{q(name)}"),
-                                check=lambda body=body: _test_connection(client, body)))
+                                check=(lambda body=body: _test_connection(client, body))
+                                if c.get("active", True) is not False else None))
             continue
         fields = [f for f in CONN_FIELDS if f not in ("password", "password_file")]
         diff = _differs(c, cur, fields)
