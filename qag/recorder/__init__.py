@@ -20,6 +20,8 @@ from .journal import JournalFull
 
 log = logging.getLogger("qag.recorder")
 
+PRESSURE_MIN_S = 0.05  # a write in flight this long, with a ring half full, is spilled (Recorder._pressed)
+
 
 def source_identity(source) -> str:
     """Names the durable positions of one segment incarnation: its name and creation time, so a
@@ -380,10 +382,12 @@ class Recorder:
                     return False
                 if not self.spilling:
                     self._publish()
-            elif self.journal is not None and now - self.pending.since > self.spill_after_s:
-                # A write that neither commits nor fails (a store that stopped answering): spill.
+            elif self.journal is not None and (now - self.pending.since > self.spill_after_s or self._pressed(now)):
+                # A write that neither commits nor fails (a store that stopped answering), or one the rings
+                # cannot wait for any longer: spill.
                 p, self.pending = self.pending, None
-                self._detach(p, f"a write has not returned for {now - p.since:.1f} s")
+                self._detach(p, f"a write has not returned for {now - p.since:.1f} s"
+                             + (" and the rings are half full" if self._pressed(now) else ""))
         self._prune(now, stopping)
         if self.drainer is not None:
             self._drain(now, stopping)
@@ -539,7 +543,10 @@ class Recorder:
         if self.journal is not None and not fut.done():
             # Wait for the write no longer than spill_after_s from its start: a store that does not answer
             # (a held lock, a frozen server) must not stop the draining of the rings.
-            wait_for_futures([fut], timeout=max(0.0, p.since + self.spill_after_s - time.monotonic()))
+            # In slices: the rings fill meanwhile, and they must not fill before the spill (_pressed).
+            deadline = p.since + self.spill_after_s
+            while not fut.done() and time.monotonic() < deadline and not self._pressed(time.monotonic(), p):
+                wait_for_futures([fut], timeout=min(0.01, max(0.0, deadline - time.monotonic())))
             if not fut.done():
                 self._detach(p, f"a write has not returned for {time.monotonic() - p.since:.1f} s")
                 return
@@ -567,6 +574,18 @@ class Recorder:
         state.records += p.runs
         state.batches += 1
         state.bad_records = getattr(self.store, "bad_records", 0)
+
+    def _pressed(self, now: float, p: _InFlight | None = None) -> bool:
+        """A write has been in flight for PRESSURE_MIN_S and some ring is at least half full: the rings hold
+        less than the spill delay at this rate, so waiting longer would fill them (and lose runs) before the
+        journal takes the batch. Spill now rather than when spill_after_s is up."""
+        p = p or self.pending
+        if p is None or now - p.since < PRESSURE_MIN_S:
+            return False
+        for ring in self.rings:
+            if ring.head - ring.tail >= ring.capacity // 2:
+                return True
+        return False
 
     def _detach(self, p: _InFlight, reason: str) -> None:
         """Spill the batch in flight: whether or not its commit lands, the drainer sorts it out (it runs
