@@ -189,6 +189,13 @@ def test_an_operator_round_trip_in_a_real_browser(srv, browser):
     else:
         pytest.fail(f"the refused call never reached the live tail: {rows}")
     shot(d, "runs")
+    # the overview's latency per minute, from the calls just made
+    d.get(srv.base + "/console")
+    cells = [td.text for td in d.find_elements(By.CSS_SELECTOR, "#latency-minutes tbody tr:last-child td")]
+    assert len(cells) == 4 and re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d", cells[0]) and int(cells[1]) > 0, cells
+    assert float(cells[2]) <= float(cells[3]), cells
+    assert d.find_element(By.ID, "p99-chart").get_attribute("src").startswith("data:image/svg+xml")
+    shot(d, "overview")
     for page in ("usage", "audit"):
         d.get(srv.base + f"/console/{page}")
         assert d.find_element(By.TAG_NAME, "h1").text.lower().startswith(page[:4])

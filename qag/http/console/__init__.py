@@ -244,6 +244,22 @@ class Logout(Console):
 
 
 class Overview(Console):
+    def latency_per_minute(self, s, since: str) -> tuple[list, bool]:
+        """p50 and p99 per minute of the last hour, from the run history (GET /api/v1/history, newest first,
+        LATENCY_PAGES pages at most). Second value: True when the hour held more runs than were read (the
+        charts then cover its latest minutes)."""
+        runs, cursor = [], None
+        for _ in range(LATENCY_PAGES):
+            q = {"since": since, "limit": "1000", **({"cursor": cursor} if cursor else {})}
+            st, page, _ = self.api(s, "GET", "/api/v1/history", query=q)
+            if st != 200 or not isinstance(page, dict):
+                return [], False
+            runs.extend(page.get("items", []))
+            cursor = page.get("next_cursor")
+            if not cursor:
+                return _per_minute(runs), False
+        return _per_minute(runs), True
+
     def on_get(self, req, resp):
         s = self.require(req, resp)
         if s is None:
@@ -254,15 +270,43 @@ class Overview(Console):
         items = usage.get("items", []) if isinstance(usage, dict) else []
         metrics = self.app.observer.render().decode("utf-8", "replace") if hasattr(self.app.observer, "render") \
             else ""
+        per_minute, sampled = self.latency_per_minute(s, since)
         self.render(req, resp, "overview.html", s, shm=shm if isinstance(shm, dict) else {},
+                    latency_minutes=per_minute, latency_sampled=sampled,
                     usage=items, usage_error="" if st == 200 else _error_text(st, usage),
                     charts={"calls": _svg_bars([(i.get("period") or i.get("at") or "", i.get("calls", 0))
                                                 for i in items], "calls"),
                             "errors": _svg_bars([(i.get("period") or i.get("at") or "", i.get("errors", 0))
-                                                 for i in items], "errors")},
+                                                 for i in items], "errors"),
+                            "p50": _svg_bars([(m, v["p50"]) for m, v in per_minute], "p50 ms"),
+                            "p99": _svg_bars([(m, v["p99"]) for m, v in per_minute], "p99 ms")},
                     latency=_latency(metrics), plane=bool(getattr(self.app.cfg, "public_bind", None)),
                     slots=_slots(shm), runs_lost=_metric_sum(metrics, "qag_runs_lost_total"),
                     recorder_lag=_metric_sum(metrics, "qag_recorder_lag_seconds"))
+
+
+LATENCY_PAGES = 5  # the overview's latency charts read at most this many pages of 1,000 runs
+
+
+def _percentile(sorted_values: list, q: float) -> float:
+    """Nearest rank: the smallest value with at least q of the values at or below it."""
+    k = max(0, min(len(sorted_values) - 1, int(-(-q * len(sorted_values) // 1)) - 1))
+    return sorted_values[k]
+
+
+def _per_minute(runs) -> list[tuple[str, dict]]:
+    """[(minute "YYYY-MM-DDTHH:MM", {"p50", "p99", "calls"})] oldest first, from runs' at and duration_ms."""
+    by: dict[str, list] = {}
+    for r in runs:
+        at, d = r.get("at"), r.get("duration_ms")
+        if isinstance(at, str) and len(at) >= 16 and isinstance(d, (int, float)):
+            by.setdefault(at[:16], []).append(float(d))
+    out = []
+    for minute in sorted(by):
+        ds = sorted(by[minute])
+        out.append((minute, {"p50": round(_percentile(ds, 0.5), 3), "p99": round(_percentile(ds, 0.99), 3),
+                             "calls": len(ds)}))
+    return out
 
 
 def _metric_sum(text: str, name: str):

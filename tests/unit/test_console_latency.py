@@ -1,0 +1,17 @@
+"""The Console overview's latency per minute: nearest-rank percentiles of the run history's durations."""
+from qag.http.console import _per_minute, _percentile
+
+
+def test_nearest_rank_percentiles():
+    vals = sorted(float(i) for i in range(1, 101))
+    assert _percentile(vals, 0.5) == 50.0 and _percentile(vals, 0.99) == 99.0 and _percentile(vals, 1.0) == 100.0
+    assert _percentile([7.0], 0.5) == 7.0 and _percentile([7.0], 0.99) == 7.0
+    assert _percentile([1.0, 2.0], 0.5) == 1.0 and _percentile([1.0, 2.0], 0.99) == 2.0
+
+
+def test_runs_grouped_by_minute_oldest_first_and_odd_rows_skipped():
+    runs = [{"at": "2026-12-02T01:02:59.999Z", "duration_ms": 3.0}, {"at": "2026-12-02T01:01:00.000Z", "duration_ms": 1.0},
+            {"at": "2026-12-02T01:02:00.000Z", "duration_ms": 9.0}, {"at": None, "duration_ms": 5.0},
+            {"at": "2026-12-02T01:02:01.000Z", "duration_ms": None}]
+    assert _per_minute(runs) == [("2026-12-02T01:01", {"p50": 1.0, "p99": 1.0, "calls": 1}),
+                                 ("2026-12-02T01:02", {"p50": 3.0, "p99": 9.0, "calls": 2})]
