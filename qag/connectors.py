@@ -66,6 +66,7 @@ import os
 import re
 import socket
 import sqlite3
+import struct
 import threading
 import time
 from typing import Iterator
@@ -663,6 +664,33 @@ def _my_closed(conn) -> bool:
     return getattr(conn, "_socket", None) is None or getattr(conn._socket, "sock", None) is None
 
 
+
+def mysql_parse_column(packet: bytes, encoding: str = "utf-8"):
+    """mysql-connector's column-definition parser (MySQLProtocol.parse_column) that keeps what it drops: a
+    DECIMAL's precision and scale go into the description's precision and scale fields (DB-API's; the driver
+    leaves them None), so Parquet can declare decimal128(p, s) before any row is seen (qag/formats.py). The
+    packet (Protocol::ColumnDefinition41): six length-coded strings, then 0x0c, charset (2), column length (4),
+    type (1), flags (2), decimals (1), filler (2). A DECIMAL's column length is its precision, plus one for the
+    point when the scale is > 0, plus one for the sign unless UNSIGNED."""
+    from mysql.connector import utils
+    from mysql.connector.constants import FieldFlag
+    packet, _ = utils.read_lc_string(packet[4:])  # catalog
+    for _ in range(3):  # db, table, org_table
+        packet, _ = utils.read_lc_string(packet)
+    packet, name = utils.read_lc_string(packet)
+    packet, _ = utils.read_lc_string(packet)  # org_name
+    try:
+        charset, length, column_type, flags, decimals = struct.unpack("<xHIBHBxx", packet)
+    except struct.error:
+        raise mysql_errors.InterfaceError("Failed parsing column information") from None
+    precision = scale = None
+    if column_type in (0, 246):  # DECIMAL, NEWDECIMAL
+        scale = decimals
+        precision = length - (1 if decimals else 0) - (0 if flags & FieldFlag.UNSIGNED else 1)
+    return (name.decode(encoding), column_type, None, None, precision, scale, ~flags & FieldFlag.NOT_NULL, flags,
+            charset)
+
+
 class MySQLConnector(Connector):
     dialect = "mysql"
     mariadb = True
@@ -690,6 +718,8 @@ class MySQLConnector(Connector):
                 database=self.row.get("database") or None, connection_timeout=max(1, int(round(self.connect_timeout))),
                 autocommit=not write, charset="utf8mb4", use_unicode=True)
             self.mariadb = "mariadb" in (conn.server_info or "").lower()
+            if getattr(conn, "_protocol", None) is not None:
+                conn._protocol.parse_column = mysql_parse_column  # DECIMAL's precision and scale kept
             conn._init_command = self._session_sql(write)  # what cmd_reset_connection's _post_connection re-sends
             sock = getattr(conn._socket, "sock", None)
             _keepalive(sock)

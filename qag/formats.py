@@ -5,8 +5,10 @@ XML is the standard library's; YAML (PyYAML), XLSX (openpyxl) and Parquet (pyarr
 extra `formats` (`pip install 'qag[formats]'`): a format whose library is missing is 501 `format_unavailable`
 naming the extra, never a 500. Values keep qag's normative text (qag/values.py) wherever a format carries text;
 XLSX and Parquet keep the value's own type: Parquet's schema comes from the cursor's column types
-(`ColumnTypes`), not from the values, except where the driver reports none (SQLite) or a value no longer has
-its column's type (a masked column is text).
+(`Columns.types`), not from the values, except where the driver reports none (SQLite) or a value no longer has
+its column's type (a masked column is text). A decimal column is `decimal128(p, s)` from the cursor's precision
+and scale when p <= 38, else (unconstrained `numeric`, p > 38) its exact text; a row group whose values do not
+fit the schema ends the answer in an error, never in nulls.
 """
 from __future__ import annotations
 
@@ -18,13 +20,27 @@ import re
 from collections.abc import Iterator
 
 from qag.errors import ApiError
-from qag.values import csv_value, json_value
+from qag.values import csv_value, decimal_text, json_value
 
 EXTRA = "formats"
 
 # The neutral type names a connector reports per result column (None: the driver does not say).
 BOOL, INT, FLOAT, DECIMAL, TEXT, DATE, TIME, TIMESTAMP, TIMESTAMPTZ, BYTES, JSON, UUID = (
     "bool", "int", "float", "decimal", "text", "date", "time", "timestamp", "timestamptz", "bytes", "json", "uuid")
+
+
+class DecimalType(str):
+    """The DECIMAL column type with the cursor's precision and scale: equal to (and hashed as) DECIMAL, so every
+    reader that only asks "is it a decimal?" sees the plain name. precision None: not declared (PostgreSQL's
+    unconstrained numeric)."""
+
+    def __new__(cls, precision, scale):
+        t = super().__new__(cls, DECIMAL)
+        t.precision, t.scale = precision, scale
+        return t
+
+    def __repr__(self):
+        return f"DecimalType({self.precision}, {self.scale})"
 
 
 class Columns(list):
@@ -48,13 +64,24 @@ _MY = {1: INT, 2: INT, 3: INT, 8: INT, 9: INT, 13: INT, 16: INT, 4: FLOAT, 5: FL
        247: TEXT, 248: TEXT}
 
 
+def _decimal(precision, scale):
+    """A DECIMAL column's type from the description's precision and scale (None or out of range: undeclared;
+    psycopg2 says 65535 for PostgreSQL's unconstrained numeric)."""
+    if isinstance(precision, int) and isinstance(scale, int) and 0 < precision <= 1000 and 0 <= scale <= precision:
+        return DecimalType(precision, scale)
+    return DecimalType(None, None)
+
+
 def pg_columns(description) -> Columns:
-    return Columns([d[0] for d in description], [_PG.get(d[1]) for d in description])
+    return Columns([d[0] for d in description],
+                   [_decimal(d[4], d[5]) if d[1] == 1700 else _PG.get(d[1]) for d in description])
 
 
 def mysql_columns(description) -> Columns:
-    # BLOB and STRING types carry text or bytes by their charset: left to the value (None).
-    return Columns([d[0] for d in description], [_MY.get(d[1]) for d in description])
+    # BLOB and STRING types carry text or bytes by their charset: left to the value (None). DECIMAL's precision
+    # and scale are in the description where qag's column parser put them (qag/connectors.py, mysql_parse_column).
+    return Columns([d[0] for d in description],
+                   [_decimal(d[4], d[5]) if _MY.get(d[1]) == DECIMAL else _MY.get(d[1]) for d in description])
 
 
 def types_after_masking(cols, transforms) -> list | None:
@@ -179,12 +206,20 @@ ROW_GROUP_ROWS = 8192
 
 
 def _arrow_type(pa, ty):
+    if ty == DECIMAL:
+        p = getattr(ty, "precision", None)
+        # decimal128 holds 38 digits; a wider or undeclared decimal is its exact text (decimal256 is read by
+        # too few readers, and an undeclared scale cannot be fixed before the rows are seen)
+        return pa.decimal128(p, ty.scale) if p is not None and p <= 38 else pa.string()
     return {BOOL: pa.bool_(), INT: pa.int64(), FLOAT: pa.float64(), TEXT: pa.string(), DATE: pa.date32(),
             TIME: pa.time64("us"), TIMESTAMP: pa.timestamp("us"), TIMESTAMPTZ: pa.timestamp("us", tz="UTC"),
             BYTES: pa.binary(), JSON: pa.string(), UUID: pa.string()}.get(ty)
 
 
 def _arrow_values(ty, values):
+    if ty == DECIMAL:
+        # NaN and ±Infinity (PostgreSQL numeric) have no decimal128 value: null, as JSON writes them
+        return [v if v is None or not isinstance(v, decimal.Decimal) or v.is_finite() else None for v in values]
     if ty in (JSON,):
         return [None if v is None else v if isinstance(v, str) else json.dumps(_plain(v), ensure_ascii=False,
                                                                               separators=(",", ":"))
@@ -198,44 +233,72 @@ def _arrow_values(ty, values):
     return values
 
 
-def _column(pa, ty, values):
-    """One Arrow column: the declared type when the values fit it, else the values' own, else text."""
-    at = _arrow_type(pa, ty) if ty != DECIMAL else None
+_ARROW_ERRORS = (ValueError, TypeError, OverflowError, ArithmeticError)  # pa.ArrowInvalid is a ValueError
+
+
+def _unfit(name, at, exc) -> ApiError:
+    # the contract has no code of its own for it: an internal error, whose text says what to do
+    return ApiError(500, "internal_error", f"column {name!r} holds a value Parquet's {at} cannot keep "
+                    f"({str(exc).splitlines()[0][:200]}); ask for format=json or csv, which keep every value.")
+
+
+def _column(pa, ty, values, name, stream=False):
+    """One Arrow column: the declared type (a decimal that does not fit it is an error, never a null or a guess;
+    another value, e.g. MySQL's BIGINT UNSIGNED past int64, takes its own type or text); where the driver declares
+    none, the values' own type, else text (in a stream, an all-NULL first group of such a column is text: a later
+    group must fit the type the first one fixed)."""
+    at = _arrow_type(pa, ty)
     if at is not None:
+        vals = _arrow_values(ty, values)
+        if pa.types.is_string(at) and ty == DECIMAL:
+            vals = [None if v is None else decimal_text(v) if isinstance(v, decimal.Decimal) else _text(v)
+                    for v in vals]
         try:
-            return pa.array(_arrow_values(ty, values), type=at)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
-            pass
+            return pa.array(vals, type=at)
+        except _ARROW_ERRORS as exc:
+            if ty == DECIMAL:
+                raise _unfit(name, at, exc) from None
     try:
         arr = pa.array(values)
-        if not pa.types.is_null(arr.type) or ty is None:
+        if not pa.types.is_null(arr.type) or (ty is None and not stream):
             return arr
-    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
+    except _ARROW_ERRORS:
         pass
     return pa.array([None if v is None else _text(v) for v in values], type=pa.string())
 
 
-def _table(pa, columns, rows, types, schema=None):
-    names = [str(c) for c in columns]
-    cols = list(zip(*rows)) if rows else [() for _ in names]
+def _names(columns) -> list[str]:
+    # Unique field names: Parquet readers key columns by name (SELECT a.id, b.id).
+    seen: dict[str, int] = {}
+    out = []
+    for n in (str(c) for c in columns):
+        seen[n] = seen.get(n, 0) + 1
+        out.append(n if seen[n] == 1 else f"{n}_{seen[n]}")
+    return out
+
+
+def _table(pa, columns, rows, types, schema=None, stream=False):
+    """One row group as an Arrow table: in the given schema (a stream's later groups), else in the one the
+    cursor's types (and, where it gives none, this group's values) make."""
+    cols = list(zip(*rows)) if rows else [() for _ in columns]
     if schema is not None:
         arrays = []
         for i, f in enumerate(schema):
+            ty = types[i] if types and i < len(types) else None
             vals = list(cols[i])
+            if pa.types.is_string(f.type):  # a declared text column, or one the first group made text
+                arrays.append(_column(pa, ty if ty is not None and _arrow_type(pa, ty) == f.type else TEXT,
+                                      vals, f.name))
+                continue
             try:
-                arrays.append(pa.array(_arrow_values(types[i] if types else None, vals), type=f.type))
-            except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
-                arrays.append(pa.array([None if v is None else _text(v) for v in vals]).cast(f.type, safe=False)
-                              if pa.types.is_string(f.type) else pa.nulls(len(vals), f.type))
+                arrays.append(pa.array(_arrow_values(ty, vals), type=f.type))
+            except _ARROW_ERRORS as exc:
+                raise _unfit(f.name, f.type, exc) from None
         return pa.Table.from_arrays(arrays, schema=schema)
-    arrays = [_column(pa, types[i] if types and i < len(types) else None, list(cols[i])) for i in range(len(names))]
-    # Unique field names: Parquet readers key columns by name (SELECT a.id, b.id).
-    seen: dict[str, int] = {}
-    fields = []
-    for n, a in zip(names, arrays):
-        seen[n] = seen.get(n, 0) + 1
-        fields.append(pa.field(n if seen[n] == 1 else f"{n}_{seen[n]}", a.type))
-    return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
+    names = _names(columns)
+    arrays = [_column(pa, types[i] if types and i < len(types) else None, list(cols[i]), names[i], stream)
+              for i in range(len(names))]
+    return pa.Table.from_arrays(arrays, schema=pa.schema([pa.field(n, a.type) for n, a in zip(names, arrays)]))
 
 
 def render_parquet(columns, rows, types=None) -> bytes:
@@ -273,7 +336,8 @@ class _Sink(io.RawIOBase):
 
 def stream_parquet(columns, batches, types=None) -> Iterator[bytes]:
     """Row groups of up to ROW_GROUP_ROWS rows as the cursor delivers them: memory stays one group's worth.
-    The schema is fixed by the first group (the cursor's types where known)."""
+    The schema is the cursor's types (where the driver declares none, fixed by the first group); a later group
+    that does not fit it ends the stream (the body is cut short, the run recorded stream_aborted), never nulls."""
     pq = _need("pyarrow.parquet", "parquet")
     types = types if types is not None else getattr(columns, "types", None)
     import pyarrow as pa
@@ -283,7 +347,7 @@ def stream_parquet(columns, batches, types=None) -> Iterator[bytes]:
 
     def flush():
         nonlocal writer
-        t = _table(pa, columns, pending, types, writer.schema if writer is not None else None)
+        t = _table(pa, columns, pending, types, writer.schema if writer is not None else None, stream=True)
         if writer is None:
             writer = pq.ParquetWriter(sink, t.schema)
         writer.write_table(t)

@@ -15,6 +15,13 @@ import json
 import uuid
 
 
+def decimal_text(v: decimal.Decimal) -> str:
+    """A finite Decimal's exact digits in plain notation, its exponent kept (trailing zeros too: numeric(12,2)'s
+    12.50 stays 12.50), never an exponent form: the text PostgreSQL prints for a numeric (1E+3 -> 1000,
+    1E-7 -> 0.0000001)."""
+    return format(v, "f")
+
+
 def json_value(v):
     """A value JSON has no type for, as the JSON value it is written as (the encoder's default)."""
     if isinstance(v, decimal.Decimal):

@@ -148,3 +148,36 @@ def test_streams_match_renderers_on_typed_and_mixed_columns():
     batches = [rows[i:i + 500] for i in range(0, 1100, 500)]
     assert b"".join(render.stream_csv(cols, iter(batches))) == render.render_csv(cols, rows)
     assert b"".join(render.stream_ndjson(cols, iter(batches))) == render.render_ndjson(cols, rows)
+
+
+def _parquet(chunks):
+    import io
+
+    import pyarrow.parquet as pq
+    return pq.read_table(io.BytesIO(b"".join(chunks)))
+
+
+def test_parquet_decimal_schema_is_the_cursors_and_a_later_group_that_does_not_fit_is_an_error():
+    pytest.importorskip("pyarrow")
+    from qag.errors import ApiError
+    n = formats.ROW_GROUP_ROWS
+    small = [(decimal.Decimal("1.50"), decimal.Decimal("2.5"), 1)] * n
+    big = [(decimal.Decimal("9999999999.99"), decimal.Decimal("1E+40"), 2)]
+    cols = formats.Columns(["fixed", "free", "n"], [formats.DecimalType(12, 2), formats.DecimalType(None, None),
+                                                   formats.INT])
+    t = _parquet(formats.stream_parquet(cols, iter([small, big])))
+    assert str(t.schema.field("fixed").type) == "decimal128(12, 2)" and str(t.schema.field("free").type) == "string"
+    assert t.column("fixed").to_pylist()[-1] == decimal.Decimal("9999999999.99")
+    assert t.column("free").to_pylist()[-1] == "1" + "0" * 40 and t.column("free").null_count == 0
+    # the page: the same schema and values
+    t = _parquet([formats.render_parquet(cols, small[:2] + big)])
+    assert str(t.schema.field("fixed").type) == "decimal128(12, 2)" and t.column("fixed").null_count == 0
+    # untyped columns (SQLite): the first group fixes the type; a later group that does not fit ends the stream
+    # in an error, never in nulls; an untyped all-NULL first group is text, which every later value fits
+    untyped = formats.Columns(["a", "b"], [None, None])
+    chunks = formats.stream_parquet(untyped, iter([[(1, None)] * n, [("x", 2.5)]]))
+    with pytest.raises(ApiError) as e:
+        list(chunks)
+    assert e.value.status == 500 and "'a'" in str(e.value)
+    t = _parquet(formats.stream_parquet(untyped, iter([[(1, None)] * n, [(2, 2.5)]])))
+    assert t.column("b").to_pylist()[-1] == "2.5" and t.column("a").to_pylist()[-1] == 2
