@@ -111,6 +111,13 @@ def _origins(text: str) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _log_format(text: str) -> str:
+    v = text.strip().lower()
+    if v not in ("text", "json"):
+        raise ValueError("must be text or json")
+    return v
+
+
 def _log_level(text: str) -> str:
     v = text.strip().lower()
     if v not in ("debug", "info", "warning", "error", "critical"):
@@ -180,6 +187,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("key_subscribers", "QAG_KEY_SUBSCRIBERS", _nonneg_int, "4", "Open /events subscriptions of one key on the instance.", "int"),
     Setting("cors_origins", "QAG_CORS_ORIGINS", _origins, "", "Comma-separated origins (https://app.example.com) allowed to call from a browser; empty: CORS off.", "list"),
     Setting("log_level", "QAG_LOG_LEVEL", _log_level, "info", "Log level of the arbiter and workers.", "str"),
+    Setting("log_format", "QAG_LOG_FORMAT", _log_format, "text", "Log lines of every process (arbiter, workers, recorder, change watcher, plane): text, or json (one object per line).", "text|json"),
     Setting("access_log", "QAG_ACCESS_LOG", _bool, "0", "Write a gunicorn access log line per request (runs are the access log).", "bool"),
     Setting("redis_url", "QAG_REDIS_URL", _redis_url, "", "Redis shared by every host for rate limits and quotas (empty: counted per host).", "url"),
     Setting("jwt_secret", "QAG_JWT_SECRET", _str, "", "Shared secret for HS256 tokens of signed-in callers (empty: HS256 refused).", "str"),

@@ -249,10 +249,14 @@ def refused(c: Call, exc: ApiError | DomainError) -> ApiError | None:
 def log_refusal(req, run: dict, err, db_text: str = "") -> None:
     """One line per 5xx and per governance refusal (403), for the operator: who, what, which code, and the
     database's own words. Never a secret and never a parameter value (those stay in the caller's request)."""
+    rid = req.context.get("request_id", "-") if hasattr(req.context, "get") else "-"
+    key = run.get("key_name") or "(administrator)"
     _log.warning("%s %s: %s %s (request %s, key %s, query %s, version %s)%s", req.method, req.path, err.status,
-                 err.code, req.context.get("request_id", "-") if hasattr(req.context, "get") else "-",
-                 run.get("key_name") or "(administrator)", run.get("query"), run.get("version"),
-                 f"; the database said: {db_text}" if db_text else "")
+                 err.code, rid, key, run.get("query"), run.get("version"),
+                 f"; the database said: {db_text}" if db_text else "",
+                 extra={"qag": {"event": "refusal" if err.status < 500 else "error", "request_id": rid, "key": key,
+                                "query": run.get("query"), "version": run.get("version"), "status": err.status,
+                                "code": err.code, **({"db_text": db_text} if db_text else {})}})
 
 
 # -- what the stages use -----------------------------------------------------------------------------------------
@@ -270,7 +274,10 @@ def finish(app, req, run: dict, status: int, code: str | None, t0: float, query_
     if slow and duration * 1000 >= slow:
         _log.warning("slow call: %s %s took %.1f ms (QAG_SLOW_MS=%d; request %s, key %s, status %s)", req.method,
                      req.path, duration * 1000, slow, req.context.request_id, run.get("key_name") or
-                     "(administrator)", status)
+                     "(administrator)", status,
+                     extra={"qag": {"event": "slow_call", "request_id": req.context.request_id,
+                                    "key": run.get("key_name") or "(administrator)", "query": run.get("query"),
+                                    "status": status, "duration_ms": round(duration * 1000, 3)}})
 
 
 def _claims(principal, plan, given: dict) -> dict:

@@ -40,8 +40,9 @@ def main(argv=None) -> int:
         args.store = cfg.run_store_url
     if not args.store:
         ap.error("--store (or QAG_RUN_STORE_URL) is required")
-    logging.basicConfig(level=cfg.log_level.upper(),
-                        format="%(asctime)s qag: recorder %(levelname)s %(message)s")
+    from .. import logs
+    logs.setup("recorder", cfg.log_format, cfg.log_level,
+               text_format="%(asctime)s qag: recorder %(levelname)s %(message)s")
     log = logging.getLogger("qag.recorder")
     # While the store is away every retry would log a driver warning: the recorder logs the outage
     # once itself (and when it ends), so the drivers' own retries stay quiet.

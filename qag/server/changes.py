@@ -200,9 +200,10 @@ def main(argv=None) -> int:
         setproctitle("qag: changes")
     except ImportError:
         pass
-    logging.basicConfig(level="INFO", format="%(asctime)s qag: changes %(levelname)s %(message)s")
+    from qag import logs
     import shm
     cfg = config.load()
+    logs.setup("changes", cfg.log_format, "INFO", text_format="%(asctime)s qag: changes %(levelname)s %(message)s")
     seg = shm.Segment.attach(args.segment)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

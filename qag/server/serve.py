@@ -19,6 +19,8 @@ import sys
 
 from gunicorn.app.base import BaseApplication
 
+from qag import logs
+
 log = logging.getLogger("qag.serve")
 
 # Exit codes (named, as gunicorn names its own).
@@ -90,6 +92,7 @@ class QagGunicorn(BaseApplication):
         s("worker_connections", qcfg.max_connections)
         s("loglevel", qcfg.log_level)
         s("errorlog", "-")
+        s("logger_class", logs.gunicorn_logger_class())  # QAG_LOG_FORMAT=json: gunicorn's lines too
         if qcfg.access_log:
             s("accesslog", "-")
         s("pre_fork", self._pre_fork)
@@ -114,6 +117,7 @@ class QagGunicorn(BaseApplication):
         global _WORKER_SLOT, _WORKER_CPU
         slot = worker.qag_slot
         _WORKER_SLOT = slot
+        logs.rename(f"worker:{slot}")
         cpu = None
         if self.pin and self.cpu_plan:
             cpu = self.cpu_plan[slot % len(self.cpu_plan)]
@@ -177,34 +181,42 @@ def _refuse_on_stop() -> None:
     gsock.close_sockets = close_sockets
 
 
+def _say(message: str, level: int = logging.WARNING) -> None:
+    """A line of the start-up (before gunicorn logs anything): as it always read, or one JSON object."""
+    if logs.is_json():
+        logging.getLogger("qag.serve").log(level, message.removeprefix("qag: ").removeprefix("warning: "))
+    else:
+        print(message, file=sys.stderr)
+
+
 def run(cfg, *, pin: bool = True, plane: bool = False, plane_threads: int | None = None) -> int:
     """Start the arbiter in this process (returns when it stops)."""
     from qag import config as _config
+    logs.setup("arbiter", cfg.log_format, cfg.log_level if cfg.log_format == "json" else None)
     from qag.errors import SchemaTooNew, StoreUnavailable
     from qag.store import Store
     for name in _config.unknown_variables():
-        print(f"qag: warning: {name} is not a qag setting (misspelt?); it is ignored. `qag config` lists them.",
-              file=sys.stderr)
+        _say(f"qag: warning: {name} is not a qag setting (misspelt?); it is ignored. `qag config` lists them.")
     store = Store(home=cfg.home, database_url=cfg.database_url, secret_key=cfg.secret_key)
     try:
         store.migrate()
     except (StoreUnavailable, SchemaTooNew) as exc:  # SchemaTooNew: a newer qag migrated it (rolling upgrades)
-        print(f"qag: cannot start: {exc}", file=sys.stderr)
+        _say(f"qag: cannot start: {exc}", logging.ERROR)
         return EXIT_STORE
     except Exception as exc:  # e.g. a corrupt SQLite file, a PostgreSQL permission error
-        print(f"qag: cannot start: the metadata store failed to open: {exc}", file=sys.stderr)
+        _say(f"qag: cannot start: the metadata store failed to open: {exc}", logging.ERROR)
         return EXIT_STORE
     if not cfg.admin_key and not store.run(lambda cur: (cur.execute("SELECT 1 FROM qag_admins WHERE active = 1"),
                                                         cur.fetchone())[1]):
-        print("qag: warning: no administrator can sign in (QAG_ADMIN_KEY is empty and there is no administrator "
-              "token): create one with `qag admins create NAME`", file=sys.stderr)
+        _say("qag: warning: no administrator can sign in (QAG_ADMIN_KEY is empty and there is no administrator "
+             "token): create one with `qag admins create NAME`")
     plane_opts = None
     if plane:
         from qag.server import arbiter as _arb
         binary = _arb.plane_binary()
         if binary is None:
-            print("qag: cannot start: --plane needs the qag-plane binary (cargo build --release in rustplane/, "
-                  "or set QAG_PLANE_BIN)", file=sys.stderr)
+            _say("qag: cannot start: --plane needs the qag-plane binary (cargo build --release in rustplane/, "
+                 "or set QAG_PLANE_BIN)", logging.ERROR)
             store.close()
             return EXIT_CONFIG
         import secrets as _secrets
@@ -223,7 +235,7 @@ def run(cfg, *, pin: bool = True, plane: bool = False, plane_threads: int | None
     try:
         segment_name = hooks.start()
     except arbiter.StartFailed as exc:  # one line; start() left nothing behind in /dev/shm
-        print(f"qag: cannot start: {exc}", file=sys.stderr)
+        _say(f"qag: cannot start: {exc}", logging.ERROR)
         return EXIT_STORE
     import gunicorn.util
 

@@ -63,3 +63,55 @@ def test_start_warnings_and_a_bad_log_level(tmp_path):
 def test_no_administrator_is_warned_about(server_factory):
     srv = server_factory({"QAG_ADMIN_KEY": ""}, args=("--workers", "1"))
     assert "qag admins create NAME" in srv.log()
+
+
+def test_json_logs_one_object_per_line_from_every_process(server_factory, tmp_path):
+    """QAG_LOG_FORMAT=json: every line of every process (arbiter, worker, recorder; gunicorn's own lines too)
+    is one JSON object with ts, level, process, pid, logger and msg; a refusal and a failure carry their fields
+    (request id, key, query, status, code, the database's text), never a parameter value."""
+    import json
+    data = str(tmp_path / "d.db")
+    db = sqlite3.connect(data)
+    db.executescript("CREATE TABLE t (id INTEGER, secret TEXT); INSERT INTO t VALUES (1, 'x');")
+    db.commit()
+    db.close()
+    srv = server_factory({"QAG_LOG_FORMAT": "json", "QAG_LOG_LEVEL": "info", "QAG_TYPO_SETTING": "1"},
+                         args=("--workers", "1"))
+    post = lambda p, b: requests.post(srv.base + p, json=b, headers=srv.admin, timeout=10)  # noqa: E731
+    assert post("/api/v1/connections", {"name": "d", "db": "sqlite", "database": data}).status_code == 201
+    assert post("/api/v1/queries", {"name": "boom", "connection_name": "d", "publish": True,
+                                    "sql": "SELECT json(:doc) AS x FROM t", "parameters": {"doc": "str"}}).status_code == 201
+    assert post("/api/v1/queries", {"name": "secrets", "connection_name": "d", "publish": True,
+                                    "sql": "SELECT secret FROM t"}).status_code == 201
+    key = post("/api/v1/api-keys", {"name": "scoped", "queries": ["*"], "allowed_tables": ["other"]}).json()["secret"]
+    plain = post("/api/v1/api-keys", {"name": "plain", "queries": ["*"]}).json()["secret"]
+    assert requests.get(srv.base + "/q/boom", params={"doc": "31337-not-json"},
+                        headers={"X-API-Key": plain, "X-Request-Id": "rid-boom"}, timeout=10).status_code == 500
+    assert requests.get(srv.base + "/q/secrets", headers={"X-API-Key": key, "X-Request-Id": "rid-refused"},
+                        timeout=10).status_code == 403
+    time.sleep(0.5)
+    srv.stop()
+    lines = [line for line in srv.log().splitlines() if line.strip()]
+    objs = []
+    for line in lines:
+        obj = json.loads(line)  # every line, or this fails naming it
+        assert {"ts", "level", "process", "pid", "logger", "msg"} <= set(obj), line
+        objs.append(obj)
+    processes = {o["process"] for o in objs}
+    assert {"arbiter", "worker:0", "recorder"} <= processes, processes
+    assert any(o["logger"] == "gunicorn.error" for o in objs)
+    assert any("QAG_TYPO_SETTING is not a qag setting" in o["msg"] for o in objs)
+    boom = [o for o in objs if o.get("request_id") == "rid-boom"]
+    assert len(boom) == 1 and boom[0]["code"] == "query_failed" and boom[0]["status"] == 500, boom
+    assert boom[0]["key"] == "plain" and boom[0]["query"] == "boom" and "malformed" in boom[0]["db_text"].lower()
+    refused = [o for o in objs if o.get("request_id") == "rid-refused"]
+    assert len(refused) == 1 and refused[0]["code"] == "table_not_allowed" and refused[0]["key"] == "scoped"
+    assert "31337" not in srv.log(), "parameter values are never logged"
+
+
+def test_a_bad_log_format_is_refused_in_one_line(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QAG_")}
+    env.update(QAG_HOME=str(tmp_path / "h"), QAG_LOG_FORMAT="xml")
+    r = subprocess.run([sys.executable, "-m", "qag.cli", "serve"], env=env, cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode != 0 and "QAG_LOG_FORMAT" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
