@@ -43,7 +43,7 @@ import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from qag import runrecord as rr
+from qag.entries import pack_run
 from qag.recorder import run_recorder
 from recorder_throughput import _fill, _pg_db, _proc_cpu
 from qag.runstore import StoreSettings, open_store
@@ -138,7 +138,7 @@ def producer_cost(calls: int, rounds: int) -> dict:
                 ring.release(ring.head)  # the consumer's part, outside the timed loop
                 done += chunk
             per_call.append(spent / done * 1e6)
-        return {"calls_per_round": calls, "rounds": rounds, "record_bytes": len(rr.pack(0, "svc-orders", "customer_by_id", 3, "main", 200, None, 1, 730, 181,
+        return {"calls_per_round": calls, "rounds": rounds, "record_bytes": len(pack_run(0, "svc-orders", "customer_by_id", 3, "main", 200, None, 1, 730, 181,
                                                 "01JDX7Q" + "0" * 19, "worker:0", "http", "/q/{name}")),
                 "median_us": round(statistics.median(per_call), 3), "min_us": round(min(per_call), 3),
                 "max_us": round(max(per_call), 3)}

@@ -24,7 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from qag import runrecord as rr  # noqa: E402
+from qag.entries import pack_run  # noqa: E402
 from qag.recorder import run_recorder  # noqa: E402
 from qag.runstore import StoreSettings, open_store  # noqa: E402
 
@@ -48,7 +48,7 @@ def _fill(seg, per_ring: int, round_no: int) -> None:
     for slot in range(seg.ring_count()):
         ring = seg.ring(slot)
         for i in range(per_ring):
-            ok = ring.push(rr.pack(now, f"svc-{i % 20}", f"lookup_{i % 7}", 1 + i % 3, "main", 200 if i % 50 else 500,
+            ok = ring.push(pack_run(now, f"svc-{i % 20}", f"lookup_{i % 7}", 1 + i % 3, "main", 200 if i % 50 else 500,
                                    None if i % 50 else "query_failed", 1, 700 + i % 900, 180,
                                    f"{round_no}-{slot}-{i:08d}", f"worker:{slot}", "http", "/q/{name}"), 0)
             if not ok:
@@ -132,7 +132,7 @@ def resume_check(kind: str, total: int, reconnects: int, seed: int = 7) -> dict:
         now = time.time_ns() // 1000
         batch = 50_000 if kind == "clickhouse" else 10_000
         for j in range(0, total, batch):
-            store.write_batch("resume", [(0, i + 1, rr.pack(now, f"svc-{i % 20}", "q", 1, "main", 200, None, 1, 1, 1,
+            store.write_batch("resume", [(0, i + 1, pack_run(now, f"svc-{i % 20}", "q", 1, "main", 200, None, 1, 1, 1,
                                                             f"r{i}", "worker:0", "http", "/q/{name}"))
                                          for i in range(j, min(total, j + batch))])
         rnd = random.Random(seed)

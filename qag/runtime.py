@@ -164,7 +164,7 @@ class Runtime:
         self._mask_key: bytes | None = None
         self.plan_hits = 0
         self.plan_misses = 0
-        self.publisher = None  # qag.publish.Publisher when a segment is attached
+        self.publisher = None  # qag.entries.Publisher when a segment is attached
 
     # -- changes -------------------------------------------------------------------------------
     def changed(self, kind: str, ident: str) -> None:

@@ -22,21 +22,33 @@ from collections import defaultdict
 
 import msgpack
 
-from ..runrecord import NFIELDS, VERSION
+from ..entries import RUN_FIELDS
+from ..entries import RUN_NFIELDS as NFIELDS
+from ..entries import RUN_VERSION as VERSION
 from . import _items
 from ._items import StoreSettings, fmt_us, run_item
 from .eventid import EPOCH_MS, MS_PER_DAY, SEQ_BITS, IdClock, id_floor, now_ms
 
 log = logging.getLogger("qag.runstore.clickhouse")
 
-# Insert column order: the constant columns first, then what the recorder adds per row, then the 15
-# record fields exactly as the ring holds them (the MsgPack row is the record's array body).
-INSERT_COLUMNS = ["batch", "src", "event_id", "slot", "pos", "v", "at", "key_name", "query", "version",
-                  "connection_name", "status", "code", "rows", "duration_us", "bytes", "request_id",
-                  "served_by", "transport", "route"]
+# The run record's columns: every field of qag.entries.RunRecord, in its order (a field without a column here is a
+# KeyError at import), as (column, type in the history table; qag_events drops the LowCardinality).
+_COLUMN = {"v": ("v", "UInt8"), "at_us": ("at", "DateTime64(6, 'UTC')"),
+           "key_name": ("key_name", "LowCardinality(Nullable(String))"),
+           "query": ("query", "LowCardinality(Nullable(String))"), "version": ("version", "Nullable(Int32)"),
+           "connection": ("connection_name", "LowCardinality(Nullable(String))"), "status": ("status", "UInt16"),
+           "code": ("code", "LowCardinality(Nullable(String))"), "rows": ("rows", "Int64"),
+           "duration_us": ("duration_us", "Int64"), "bytes": ("bytes", "Int64"), "request_id": ("request_id", "String"),
+           "served_by": ("served_by", "LowCardinality(String)"), "transport": ("transport", "LowCardinality(String)"),
+           "route": ("route", "LowCardinality(String)")}
+_RECORD_COLUMNS = tuple(_COLUMN[f] for f in RUN_FIELDS)
+# Insert column order: the constant columns first, then what the recorder adds per row, then the record's
+# fields exactly as the ring holds them (the MsgPack row is the record's array body).
+INSERT_COLUMNS = ["batch", "src", "event_id", "slot", "pos"] + [c for c, _ in _RECORD_COLUMNS]
 _TS = f"fromUnixTimestamp64Milli(toInt64(bitShiftRight(event_id, {SEQ_BITS})) + {EPOCH_MS}, 'UTC')"
-_RUN_COLS = ("event_id, at, key_name, query, version, connection_name, status, code, rows, duration_us, "
-             "bytes, request_id, served_by, transport, route")
+# The history table's run columns (all but v), and the view that fills it selects them in this order.
+_RUN_COLS = ", ".join(["event_id"] + [c for c, _ in _RECORD_COLUMNS[1:]])
+_RUN_COL_TYPES = ", ".join(f"{c} {t}" for c, t in _RECORD_COLUMNS[1:])
 _READ = ("event_id, toUnixTimestamp64Micro(at), query, version, key_name, connection_name, status, code, "
          "rows, duration_us, request_id, served_by")
 # Every insert: views deduplicate by the insert's token (exactly once on retry and replay); views
@@ -49,7 +61,7 @@ _packb = msgpack.Packer(use_bin_type=True, autoreset=True).pack
 # Without both, replaying the last batch wrote it twice whenever it held over ~10,000 runs (seen on
 # chDB 26.9); a larger batch goes as several inserts, as one spanning midnight does.
 _MAX_INSERT_ROWS = 64_000
-_RECORD_HEAD = bytes([0x90 | NFIELDS, VERSION])  # fixarray(15), v = 1
+_RECORD_HEAD = bytes([0x90 | NFIELDS, VERSION])  # fixarray(15), v = 1 (LAYOUT.md [Run record] RR1)
 
 
 def _client(url: str):
@@ -104,12 +116,7 @@ class ClickHouseRunStore:
     def schema_sql(self) -> list[str]:
         s = self.settings
         thr = _items.sample_threshold(s.history_sample_rate)
-        run_cols = ("at DateTime64(6, 'UTC'), key_name LowCardinality(Nullable(String)), "
-                    "query LowCardinality(Nullable(String)), version Nullable(Int32), "
-                    "connection_name LowCardinality(Nullable(String)), status UInt16, "
-                    "code LowCardinality(Nullable(String)), rows Int64, duration_us Int64, bytes Int64, "
-                    "request_id String, served_by LowCardinality(String), transport LowCardinality(String), "
-                    "route LowCardinality(String)")
+        run_cols = _RUN_COL_TYPES
         # Events take plain strings: the MsgPack parser fills LowCardinality columns row by row,
         # 3x slower per insert (28 against 96 ms per 5,000 runs, measured); events are kept a day and
         # their repeated names compress anyway. History, kept for weeks, gets LowCardinality

@@ -6,7 +6,7 @@ import os
 import threading
 import time
 
-from qag import runrecord
+from qag import entries
 from qag.http.app import QagApp
 from qag.metrics import Observer
 from qag.runtime import Runtime
@@ -35,10 +35,7 @@ class RingRecorder:
         self.lock = threading.Lock()
 
     def __call__(self, run: dict) -> bool:
-        payload = runrecord.pack(run["at_us"], run["key_name"], run["query"], run["version"], run["connection"],
-                                 run["status"], run["code"], run["rows"], run["duration_us"], run["bytes"],
-                                 run["request_id"], run.get("served_by") or self.served_by, run["transport"],
-                                 run["route"])
+        payload = entries.pack_run_of(run, run.get("served_by") or self.served_by)
         with self.lock:
             ok = self.ring.push(payload, 0)
         if not ok and self.wait_ms:
@@ -107,8 +104,7 @@ def build_worker_app(cfg, *, slot: int, segment_name: str | None, plane_slot: in
     from qag.server.changes import WatchedGenerations
     # cached entries are trusted only while this host's change watcher is caught up (qag/server/changes.py)
     runtime = Runtime(cfg, store, WatchedGenerations(segment, watcher_slot(segment.slots)), slot=slot)
-    from qag.publish import Publisher
-    runtime.publisher = Publisher(segment, cfg)
+    runtime.publisher = entries.Publisher(segment, cfg)
     recorder = RingRecorder(segment, slot, cfg.record_wait_ms, observer)
     observer.gauges.append(lambda: segment_gauges(segment, runtime))
     app = QagApp(cfg, runtime, observer=observer, recorder=recorder, segment=segment)

@@ -13,7 +13,7 @@ import time
 
 import requests
 
-from qag import runrecord as rr
+from qag import entries
 from qag.runstore import StoreSettings, open_store
 from tests.conftest import start_server
 
@@ -28,7 +28,7 @@ def test_reconnecting_over_a_million_events_misses_none_and_repeats_none():
     batch = 20_000
     for j in range(0, N, batch):
         store.write_batch("prefill", [
-            (0, i + 1, rr.encode(at_us=now_us - (N - i) * 10, key_name=f"key{i % 5}", query="q", version=1,
+            (0, i + 1, entries.encode_run(at_us=now_us - (N - i) * 10, key_name=f"key{i % 5}", query="q", version=1,
                                  connection="c", status=200, code=None, rows=1, duration_us=100, bytes=10,
                                  request_id=f"r{i}", served_by="worker:0", transport="http", route="/q/{name}"))
             for i in range(j, j + batch)])

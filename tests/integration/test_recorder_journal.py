@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from qag import runrecord as rr
+from qag import entries
 from qag.recorder import run_recorder
 from qag.recorder.journal import FILE_HEADER, FRAME_HEADER, Journal, JournalError, JournalFull
 from qag.runstore.sql import SqlRunStore
@@ -17,7 +17,7 @@ from tests.unit.test_recorder_loop import FakeSource, fill
 
 
 def chunk(slot, start, n, prefix="r"):
-    return (slot, [((start + i + 1) * 16, rr.encode(at_us=1, request_id=f"{prefix}{slot}-{start + i}"))
+    return (slot, [((start + i + 1) * 16, entries.encode_run(at_us=1, request_id=f"{prefix}{slot}-{start + i}"))
                    for i in range(n)])
 
 

@@ -27,12 +27,12 @@ PER_PRODUCER = 25_000
 PRODUCER = textwrap.dedent("""
     import sys, time
     import shm
-    from qag import runrecord as rr
+    from qag import entries
     seg = shm.Segment.attach(sys.argv[1]); slot = int(sys.argv[2]); n = int(sys.argv[3])
     ring = seg.ring(slot)
     lost = 0
     for i in range(n):
-        if not ring.push(rr.encode(key_name=f"k{slot}", query="q", status=500 if i % 10 == 0 else 200,
+        if not ring.push(entries.encode_run(key_name=f"k{slot}", query="q", status=500 if i % 10 == 0 else 200,
                                    rows=1, request_id=f"p{slot}-{i}", served_by=f"worker:{slot}"), 10_000):
             lost += 1
         if i % 500 == 499:

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from qag import runrecord as rr
+from qag.entries import encode_run
 from qag.runstore import StoreSettings, open_store
 
 PG_ADMIN = os.environ.get("QAG_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -48,7 +48,7 @@ def make_url(kind, tmp, db="qag_rec_test"):
 def run(i, now_us, slot=None):
     """The i-th run of the burst: deterministic fields so every total can be checked."""
     status = 500 if i % 17 == 0 else (404 if i % 29 == 0 else 200)
-    return rr.encode(at_us=now_us - (N - i) * 500, key_name=KEYS[i % len(KEYS)], query=QUERIES[i % len(QUERIES)],
+    return encode_run(at_us=now_us - (N - i) * 500, key_name=KEYS[i % len(KEYS)], query=QUERIES[i % len(QUERIES)],
                      version=1 + i % 3, connection="pg", status=status,
                      code=None if status == 200 else ("query_failed" if status == 500 else "query_not_found"),
                      rows=i % 11, duration_us=100 + i % 1000, bytes=64, request_id=f"req-{i}",
@@ -257,8 +257,8 @@ def test_sql_record_with_wrong_types_is_dropped_not_fatal(tmp_path):
         store = open_store(url, StoreSettings())
         store.ensure_schema()
         bad = msgpack.packb([1, "yesterday", "k", "q", 1, "c", 200, None, 1, 1, 1, "bad", "worker:0", "http", "/"])
-        nul = rr.encode(key_name="a\x00b", request_id="nul")
-        recs = [(0, 1, rr.encode(request_id="a")), (0, 2, bad), (0, 3, nul), (0, 4, rr.encode(request_id="b\tc\\d"))]
+        nul = encode_run(key_name="a\x00b", request_id="nul")
+        recs = [(0, 1, encode_run(request_id="a")), (0, 2, bad), (0, 3, nul), (0, 4, encode_run(request_id="b\tc\\d"))]
         store.write_batch("s", recs)
         assert [e["request_id"] for e in store.events_after(0)] == ["a", "b\tc\\d"]
         assert store.bad_records == 2 and store.positions("s") == {0: 4}

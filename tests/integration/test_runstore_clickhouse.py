@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from qag import runrecord as rr
+from qag import entries
 from qag.runstore import StoreSettings, open_store
 from qag.runstore.clickhouse import writer_user_sql
 from qag.runstore.sql import chunks_of
@@ -34,7 +34,7 @@ def ch():
 
 def recs(n, start=0, slot=0, status=200):
     now = time.time_ns() // 1000
-    return [(slot, start + i + 1, rr.encode(at_us=now, key_name="k", query="q", status=status, rows=1,
+    return [(slot, start + i + 1, entries.encode_run(at_us=now, key_name="k", query="q", status=status, rows=1,
                                               request_id=f"r{start + i}")) for i in range(n)]
 
 
@@ -119,7 +119,7 @@ def test_a_record_with_wrong_types_is_dropped_not_fatal(ch):
     bad = msgpack.packb([1, "yesterday", "k", "q", 1, "c", 200, None, 1, 1, 1, "bad", "worker:0", "http", "/"])
     extra = msgpack.packb([1, time.time_ns() // 1000, "k", "q", 1, "c", 200, None, 1, 1, 1, "later-minor",
                            "worker:0", "http", "/", "a field from 1.1"])
-    store.write_batch("s", [(0, 1, rr.encode(request_id="a")), (0, 2, bad), (0, 3, extra), (0, 4, b"\xc1")])
+    store.write_batch("s", [(0, 1, entries.encode_run(request_id="a")), (0, 2, bad), (0, 3, extra), (0, 4, b"\xc1")])
     assert [e["request_id"] for e in store.events_after(0)] == ["a", "later-minor"]
     assert store.bad_records == 2 and store.positions("s") == {0: 4}
 

@@ -153,7 +153,7 @@ if __name__ == "__main__":
 
 import pytest  # noqa: E402
 
-from qag import runrecord as rr  # noqa: E402
+from qag import entries  # noqa: E402
 from qag.runstore import StoreSettings, open_store  # noqa: E402
 from qag.runstore.sql import chunks_of  # noqa: E402
 
@@ -187,7 +187,7 @@ def test_runs_through_clickhouse_connect_over_http(http_url):
     store = open_store(http_url, StoreSettings())
     store.ensure_schema()
     now = time.time_ns() // 1000
-    recs = [(i % 2, i // 2 + 1, rr.encode(at_us=now - 1000 + i // 100, key_name=f"k{i % 3}", query="q",
+    recs = [(i % 2, i // 2 + 1, entries.encode_run(at_us=now - 1000 + i // 100, key_name=f"k{i % 3}", query="q",
                                           status=500 if i % 10 == 0 else 200, rows=2, request_id=f"h{i}"))
             for i in range(20_000)]
     for j in range(0, 20_000, 5000):

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from qag import runrecord as rr
+from qag.entries import encode_run
 from qag.recorder import resume_positions, run_recorder
 from qag.runstore.sql import SqlRunStore
 
@@ -80,7 +80,7 @@ class ObservedStore(SqlRunStore):
 def fill(source, per_ring, prefix="r"):
     for s, ring in enumerate(source.rings):
         for i in range(per_ring):
-            ring.push(rr.encode(key_name=f"k{s}", query="q", request_id=f"{prefix}{s}-{i}"))
+            ring.push(encode_run(key_name=f"k{s}", query="q", request_id=f"{prefix}{s}-{i}"))
 
 
 def run_until_drained(source, store, timeout=20, **kw):
@@ -211,7 +211,7 @@ def test_history_sampling_keeps_failures_and_usage_stays_exact(rate):
     store = SqlRunStore(":memory:")
     store.settings = type(store.settings)(history_sample_rate=rate)
     store.ensure_schema()
-    recs = [(0, i + 1, rr.encode(status=500 if i % 10 == 0 else 200, code="query_failed" if i % 10 == 0 else None,
+    recs = [(0, i + 1, encode_run(status=500 if i % 10 == 0 else 200, code="query_failed" if i % 10 == 0 else None,
                                  key_name="k", query="q", request_id=str(i), rows=2)) for i in range(4000)]
     store.write_batch("s", recs)
     hist = store._read("SELECT status, count(*) FROM qag_history GROUP BY status")
@@ -229,7 +229,7 @@ def test_stop_drains_but_producers_that_keep_going_cannot_keep_it_alive():
     def produce():
         i = 0
         while not quit_.is_set():
-            src.rings[0].push(rr.encode(request_id=f"x{i}"))
+            src.rings[0].push(encode_run(request_id=f"x{i}"))
             i += 1
             time.sleep(0.0002)
 
@@ -269,7 +269,7 @@ def test_retention_runs_under_sustained_load_in_bounded_chunks():
     def produce():
         i = 0
         while not quit_.is_set():
-            src.rings[0].push(rr.encode(request_id=f"s{i}"))
+            src.rings[0].push(encode_run(request_id=f"s{i}"))
             i += 1
             if i % 20 == 0:
                 time.sleep(0.001)
@@ -351,7 +351,7 @@ def test_caught_up_it_polls_once_per_idle_period_not_once_per_run():
     t.start()
     t0 = time.monotonic()
     for i in range(300):  # one run every ~2 ms for ~0.6 s
-        ring.push(rr.encode(request_id=f"t{i}"))
+        ring.push(encode_run(request_id=f"t{i}"))
         time.sleep(0.002)
     elapsed = time.monotonic() - t0
     stop.set()

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qag import runrecord as rr
+from qag import entries
 
 SAMPLE = dict(at_us=1_764_490_000_123_456, key_name="svc", query="lookup", version=3, connection="pg",
               status=200, code=None, rows=1, duration_us=812, bytes=120, request_id="r-1",
@@ -14,35 +14,35 @@ SAMPLE = dict(at_us=1_764_490_000_123_456, key_name="svc", query="lookup", versi
 
 
 def test_fields_are_in_the_documented_order():
-    assert rr.FIELDS == ("v", "at_us", "key_name", "query", "version", "connection", "status", "code", "rows",
+    assert entries.RUN_FIELDS == ("v", "at_us", "key_name", "query", "version", "connection", "status", "code", "rows",
                          "duration_us", "bytes", "request_id", "served_by", "transport", "route")
-    raw = msgpack.unpackb(rr.encode(**SAMPLE))
-    assert raw == [1] + [SAMPLE[f] for f in rr.FIELDS[1:]]
+    raw = msgpack.unpackb(entries.encode_run(**SAMPLE))
+    assert raw == [1] + [SAMPLE[f] for f in entries.RUN_FIELDS[1:]]
 
 
 def test_round_trip_and_positional_pack_agree():
-    b = rr.encode(**SAMPLE)
-    rec = rr.decode(b)
+    b = entries.encode_run(**SAMPLE)
+    rec = entries.decode_run(b)
     assert rec._asdict() == {"v": 1, **SAMPLE}
-    assert rr.pack(*[SAMPLE[f] for f in rr.FIELDS[1:]]) == b
+    assert entries.pack_run(*[SAMPLE[f] for f in entries.RUN_FIELDS[1:]]) == b
 
 
 def test_at_defaults_to_now():
     before = time.time_ns() // 1000
-    rec = rr.decode(rr.encode(request_id="x"))
+    rec = entries.decode_run(entries.encode_run(request_id="x"))
     assert before <= rec.at_us <= time.time_ns() // 1000
 
 
 def test_longer_arrays_from_a_later_minor_version_are_read():
-    b = msgpack.packb([1] + [SAMPLE[f] for f in rr.FIELDS[1:]] + ["extra", 7])
-    assert rr.decode(b).route == "/q/{name}"
+    b = msgpack.packb([1] + [SAMPLE[f] for f in entries.RUN_FIELDS[1:]] + ["extra", 7])
+    assert entries.decode_run(b).route == "/q/{name}"
 
 
 @pytest.mark.parametrize("payload", [b"", b"\xc1", msgpack.packb([2] + [0] * 14), msgpack.packb([1, 2, 3]),
                                      msgpack.packb({"v": 1}), b"\x9f\x01"])
 def test_garbage_is_refused(payload):
-    with pytest.raises(rr.RecordError):
-        rr.decode(payload)
+    with pytest.raises(entries.RecordError):
+        entries.decode_run(payload)
 
 
 @given(st.builds(dict, at_us=st.integers(0, 2**62), key_name=st.none() | st.text(max_size=40),
@@ -53,17 +53,17 @@ def test_garbage_is_refused(payload):
 def test_round_trip_property(fields):
     defaults = {"v": 1, "connection": None, "code": None, "bytes": 0, "served_by": "worker:0",
                 "transport": "http", "route": ""}
-    assert rr.decode(rr.encode(**fields))._asdict() == {**defaults, **fields}
+    assert entries.decode_run(entries.encode_run(**fields))._asdict() == {**defaults, **fields}
 
 
 def test_encoding_is_cheap():
     """The hot path: measured ~0.7 us positional, ~2 us by keyword on this machine; fail only when
     it gets an order of magnitude worse (a shared 2-core machine is noisy)."""
-    args = [SAMPLE[f] for f in rr.FIELDS[1:]]
+    args = [SAMPLE[f] for f in entries.RUN_FIELDS[1:]]
     n = 20000
     t = time.perf_counter()
     for _ in range(n):
-        rr.pack(*args)
+        entries.pack_run(*args)
     per = (time.perf_counter() - t) / n
     assert per < 20e-6, f"pack costs {per * 1e6:.1f} us"
-    assert len(rr.encode(**SAMPLE)) < 96  # a typical run fits two cache lines in the ring
+    assert len(entries.encode_run(**SAMPLE)) < 96  # a typical run fits two cache lines in the ring
