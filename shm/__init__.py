@@ -2,7 +2,6 @@
 
 Python-only, standalone (posix_ipc, mmap, struct, msgpack); the Rust data plane reads the same bytes.
 """
-from .entry import entry_current, pack_entry, unpack_entry
 from .layout import DEFAULT_SIZE, HIST_BOUNDS, MAJOR, MINOR
 from .lock import LockTimeout
 from .ring import Ring, RingError
@@ -19,8 +18,5 @@ __all__ = [
     "RingError",
     "Segment",
     "SegmentFull",
-    "entry_current",
-    "pack_entry",
     "segment_name",
-    "unpack_entry",
 ]

@@ -1,14 +1,16 @@
 """Golden vectors for LAYOUT.md: `python -m shm.vectors` writes shm/vectors/*.bin (deterministic bytes).
 
 What each file holds is listed in LAYOUT.md [Golden vectors]; the Python and the Rust tests decode them field by field.
+The entry and run record vectors are made by qag's own writers (qag/entries.py): this command is a development tool
+above both packages, so it is the one module of shm/ that imports qag (inside build(), never at import).
 """
 from __future__ import annotations
 
+import hashlib
 import sys
 from pathlib import Path
 
 from . import layout as L
-from .entry import pack_entry
 from .segment import Segment
 
 VECTOR_DIR = Path(__file__).with_name("vectors")
@@ -19,9 +21,9 @@ RECORDER_PID = 4243
 NOW_NS = 1_700_000_000_000_000_000
 DEAD_PID = 0x7FFFFFFF  # above Linux's pid_max (2^22): never a live process
 
-PLAN_KEY = b"plan:alice:orders_by_id:1"
-PLAN_GENS = [("key", "alice", 2), ("query", "orders_by_id", 1), ("connection", "main", 1)]
-PLAN_PAYLOAD = {"sql": "SELECT id, total FROM orders WHERE id = %(id)s", "params": ["id"]}
+PLAN_KEY = b"p:alice\x00orders_by_id"  # the cache key of alice's plan of orders_by_id ([Entries] E5)
+KEY_SECRET = "qag-vector-secret"  # alice's secret: her key entry is at k:<sha256 hex of it>
+CONNECTION_KEY = b"c:main"
 ROW_KEY = b"row:key:alice"
 ROW_VALUE = b"\x01\x02\x03"
 RING0_RECORDS = [b"run-0", b"run-1 twelve", b"run-2"]
@@ -32,16 +34,56 @@ HISTOGRAM = ("qag_query_duration_seconds", (("query", "orders_by_id"),))
 GAUGE = ("qag_pool_in_use", ())
 
 
+# The entries' inputs ([Entries], [Run record]): alice's key, her plan of orders_by_id on connection main, and one
+# call the plane served. Their generations are the segment vector's: key alice 2, query orders_by_id 1, main 1.
+KEY_ROW = {"name": "alice", "active": 1, "expires_at": "2027-01-01T00:00:00Z", "prev_valid_until": None,
+           "grants": {"queries": ["orders_by_id"], "connections": ["main"], "allowed_ips": ["10.0.0.0/8"],
+                      "rate_limit": None}}
+PLAN_SQL = "SELECT id, total FROM orders WHERE id = :id"
+PLAN = {"query": "orders_by_id", "version": 1, "connection": "main", "dialect": "postgres",
+        "sql": "SELECT id, total FROM orders WHERE id = %(id)s", "arg_names": ("id",), "transforms": (None, "mask"),
+        "names": ("id", "total"), "tables": frozenset({"orders"}), "page_mode": "append", "gens": (2, 1, 1),
+        "cache_ttl": None, "key_name": "alice", "is_write": False, "write_ops": frozenset(), "state_free": True}
+PLAN_PARAMS = {"id": {"type": "int", "required": True, "min": 1}}
+PLAN_CFG = {"default_page_size": 100, "max_page_size": 1000, "query_timeout": 30.0}
+CONNECTION_ROW = {"name": "main", "db": "postgres", "host": "127.0.0.1", "port": 5432, "user": "qag",
+                  "database": "shop", "options": {"search_path": "app", "allow_superuser": True}, "active": 1}
+RUN = {"at_us": NOW_NS // 1000, "key_name": "alice", "query": "orders_by_id", "version": 1, "connection": "main",
+       "status": 200, "code": None, "rows": 1, "duration_us": 812, "bytes": 120, "request_id": "0123456789abcdef",
+       "served_by": "plane", "transport": "http", "route": "/q/{name}"}
+
+
+def entry_vectors() -> dict[str, bytes]:
+    """key_entry.bin, plan_entry.bin, connection_entry.bin, run_record.bin: as qag/entries.py writes them."""
+    from types import SimpleNamespace
+
+    import msgpack
+
+    from qag import entries, params
+
+    pack = msgpack.Packer(use_bin_type=True).pack  # the writers' packer (qag/entries.py)
+    plan = SimpleNamespace(**PLAN, specs=params.build_specs(PLAN_PARAMS))
+    return {
+        "key_entry.bin": pack(entries.key_entry(KEY_ROW, False, 2)),
+        "plan_entry.bin": pack(entries.plan_entry(plan, SimpleNamespace(**PLAN_CFG), PLAN_SQL, 1)),
+        "connection_entry.bin": pack(entries.connection_entry(CONNECTION_ROW, 1, 3.0)),
+        "run_record.bin": entries.encode_run(**RUN),
+    }
+
+
 def build() -> dict[str, bytes]:
     """The vector files by name."""
+    vectors = entry_vectors()
     buf = bytearray(SIZE)
     seg = Segment.in_buffer(buf, SLOTS, pid=PID, now_ns=NOW_NS)
     seg.bump("key", "alice")
     seg.bump("key", "alice")
     seg.bump("query", "orders_by_id")
     seg.bump("connection", "main")
-    seg.cache_put(PLAN_KEY, pack_entry(PLAN_PAYLOAD, PLAN_GENS))
+    seg.cache_put(PLAN_KEY, vectors["plan_entry.bin"])
     seg.cache_put(ROW_KEY, ROW_VALUE)
+    seg.cache_put(b"k:" + hashlib.sha256(KEY_SECRET.encode()).hexdigest().encode(), vectors["key_entry.bin"])
+    seg.cache_put(CONNECTION_KEY, vectors["connection_entry.bin"])
     seg.set_slot(0, "worker", pid=PID)
     seg.set_slot(1, "recorder", pid=RECORDER_PID)
     seg.counter_add(0, *COUNTER, 3)
@@ -74,7 +116,8 @@ def build() -> dict[str, bytes]:
     L.U64.pack_into(crashed, L.L_SEQ, L.U64.unpack_from(crashed, L.L_SEQ)[0] + 1)
     L.U64.pack_into(crashed, L.L_DIRTY_CACHE_SLOT, slot + 1)
     seg.close()
-    return {"header.bin": healthy[:L.HEADER_SIZE], "segment.bin": healthy, "segment_crashed.bin": bytes(crashed)}
+    return {"header.bin": healthy[:L.HEADER_SIZE], "segment.bin": healthy, "segment_crashed.bin": bytes(crashed),
+            **vectors}
 
 
 def _slot_of(seg: Segment, key: bytes) -> int:

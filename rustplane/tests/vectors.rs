@@ -104,45 +104,38 @@ fn generations_g1_g3() {
 #[test]
 fn cache_c2_c3_c5_and_entries() {
     let seg = segment("segment.bin");
-    let key = b"plan:alice:orders_by_id:1";
+    let key = b"p:alice\x00orders_by_id";
     let crc = crc32fast::hash(key);
     let sets = 168 / 8;
-    assert_eq!(crc as usize % sets, 2, "C2: set of the plan key");
-    let base = seg.region(R_CACHE) + 16 * 4096;
+    assert_eq!(crc as usize % sets, 12, "C2: set of the plan key");
+    let base = seg.region(R_CACHE) + 96 * 4096;
     assert_eq!(seg.m.load_u64(base, Relaxed) % 2, 0, "C1: published slot has an even seq");
     assert_eq!(seg.m.load_u32(base + 8, Relaxed) as usize, key.len(), "C1: key_len");
     assert_eq!(seg.m.load_u64(base + 16, Relaxed), 1, "C2: stamp of the first put");
     assert_eq!(seg.m.load_u32(base + 24, Relaxed), 4242, "C1: writer_pid");
     assert_eq!(seg.m.load_u32(base + 28, Relaxed), crc, "C1: key_crc");
-    assert_eq!(seg.m.load_u32(seg.region(R_CACHE_TAGS) + 32 * 2, Relaxed), crc, "C5: tag of way 0 of set 2");
+    assert_eq!(seg.m.load_u32(seg.region(R_CACHE_TAGS) + 32 * 12, Relaxed), crc, "C5: tag of way 0 of set 12");
     let value = seg.cache_get(key).expect("C3: plan entry found");
-    let (payload, gens) = unpack_entry(&value).expect("[Cache entries] [1, gens, payload]");
-    assert_eq!(
-        gens,
-        vec![(GenKind::Key, "alice".into(), 2), (GenKind::Query, "orders_by_id".into(), 1), (GenKind::Connection, "main".into(), 1)],
-        "[Cache entries] generations"
-    );
-    assert!(gens.iter().all(|(k, i, g)| seg.gen(*k, i) == *g), "[Cache entries] entry is current");
-    assert_eq!(payload.get("sql").and_then(Value::as_str), Some("SELECT id, total FROM orders WHERE id = %(id)s"));
-    assert_eq!(payload.get("params").and_then(Value::as_array).map(|a| a.len()), Some(1));
-    assert_eq!(seg.cache_get(b"row:key:alice"), Some(vec![1, 2, 3]), "C3: second entry (set 7, slot 56)");
+    assert_eq!(value, load("plan_entry.bin"), "[Cache entries] the value is the plan entry vector (tests/entries_vectors.rs)");
+    assert!(matches!(qag_plane::msgpack::decode(&value), Some(Value::Map(_))), "[Cache entries] E4: one msgpack map");
+    assert_eq!(seg.cache_get(b"row:key:alice"), Some(vec![1, 2, 3]), "C3: an opaque value (set 7, slot 56)");
     let base56 = seg.region(R_CACHE) + 56 * 4096;
     assert_eq!(seg.m.load_u64(base56 + 16, Relaxed), 2, "C2: stamp 2");
-    assert_eq!(seg.cache_get(b"plan:alice:orders_by_id:2"), None, "absent key is a miss");
-    assert_eq!(seg.m.load_u64(H_CACHE_PUTS, Relaxed), 2, "[Header] cache_puts");
-    assert_eq!(seg.m.load_u64(H_CACHE_USED, Relaxed), 2, "[Header] cache_used");
+    assert_eq!(seg.cache_get(b"p:alice\x00orders"), None, "absent key is a miss");
+    assert_eq!(seg.m.load_u64(H_CACHE_PUTS, Relaxed), 4, "[Header] cache_puts");
+    assert_eq!(seg.m.load_u64(H_CACHE_USED, Relaxed), 4, "[Header] cache_used");
 }
 
 #[test]
 fn crashed_writer_c4_k4() {
     let seg = segment("segment_crashed.bin");
-    let base = seg.region(R_CACHE) + 16 * 4096;
+    let base = seg.region(R_CACHE) + 96 * 4096;
     assert_eq!(seg.m.load_u64(base, Relaxed), 3, "crashed slot left odd");
-    assert_eq!(seg.cache_get(b"plan:alice:orders_by_id:1"), None, "C4: an odd slot is a miss after bounded retries");
+    assert_eq!(seg.cache_get(b"p:alice\x00orders_by_id"), None, "C4: an odd slot is a miss after bounded retries");
     assert_eq!(seg.cache_get(b"row:key:alice"), Some(vec![1, 2, 3]), "other slots unaffected");
     assert_eq!(seg.m.load_u64(L_OWNER_PID, Relaxed), 0x7FFF_FFFF, "K3: dead owner recorded");
     assert_eq!(seg.m.load_u64(L_OWNER_START, Relaxed), 1, "K2: owner start");
-    assert_eq!(seg.m.load_u64(L_DIRTY_CACHE_SLOT, Relaxed), 17, "K4: dirty slot index + 1");
+    assert_eq!(seg.m.load_u64(L_DIRTY_CACHE_SLOT, Relaxed), 97, "K4: dirty slot index + 1");
     let healthy = segment("segment.bin");
     assert_eq!(seg.m.load_u64(L_SEQ, Relaxed), healthy.m.load_u64(L_SEQ, Relaxed) + 1, "K2: lock_seq + 1");
 }

@@ -3,7 +3,7 @@ plane (the public port) and straight to gunicorn's socket, and the two answers m
 
 - Drafts: `?version=N` is always Python's to answer (a scoped key gets 404 `version_not_found` for any version
   but the published one), and a call with `version` never changes what the plane serves afterwards: plan
-  entries are published for the published version only (rustplane/ENTRIES.md, P2).
+  entries are published for the published version only (shm/LAYOUT.md [Plan entry], P2).
 - Refused governance: a plan governance refuses is never published, so the plane has nothing to serve: a
   masked key on `row_to_json(c)` gets Python's refusal through the plane, never a 200.
 """

@@ -12,6 +12,7 @@ import uuid
 import zlib
 from pathlib import Path
 
+import msgpack
 import posix_ipc
 import pytest
 
@@ -203,7 +204,7 @@ def test_bump_visible_to_other_process_before_return(name):
 def _put_entries(name, n):
     seg = Segment.attach(name)
     for i in range(n):
-        assert seg.cache_put(b"plan:%d" % i, shm.pack_entry({"i": i, "sql": f"SELECT {i}"}, [("query", f"q{i}", 0)]))
+        assert seg.cache_put(b"plan:%d" % i, msgpack.packb({"i": i, "sql": f"SELECT {i}", "gen": 0}))
     seg.close()
 
 
@@ -212,10 +213,10 @@ def test_cache_put_get_across_processes(name):
     try:
         _run(_put_entries, name, 100)
         for i in range(100):
-            payload, gens = shm.unpack_entry(seg.cache_get(b"plan:%d" % i))
-            assert payload == {"i": i, "sql": f"SELECT {i}"} and shm.entry_current(seg, gens)
-        seg.bump("query", "q7")
-        assert not shm.entry_current(seg, shm.unpack_entry(seg.cache_get(b"plan:7"))[1])
+            entry = msgpack.unpackb(seg.cache_get(b"plan:%d" % i))
+            assert entry == {"i": i, "sql": f"SELECT {i}", "gen": 0} and seg.gen("query", f"q{i}") == entry["gen"]
+        seg.bump("query", "q7")  # [Cache entries]: the entry carries its generation; a bumped one is stale
+        assert seg.gen("query", "q7") != msgpack.unpackb(seg.cache_get(b"plan:7"))["gen"]
         assert seg.cache_get(b"plan:100") is None
         stats = seg.cache_stats()
         assert stats["used"] == 100 and stats["puts"] == 100 and stats["hits"] == 101 and stats["misses"] == 1
@@ -386,16 +387,16 @@ def test_crashed_vector_is_repaired_on_takeover(name):
     posix_ipc.Semaphore(name + "-r", posix_ipc.O_CREX, initial_value=1).close()
     seg = Segment.attach(name)
     try:
-        assert seg.cache_get(b"plan:alice:orders_by_id:1") is None  # odd slot: a miss, not a hang
+        assert seg.cache_get(b"p:alice\x00orders_by_id") is None  # odd slot: a miss, not a hang
         assert seg.cache_stats()["busy_misses"] == 1
         assert seg.cache_get(b"row:key:alice") == b"\x01\x02\x03"
         assert seg.gen("key", "alice") == 2
-        assert seg.cache_put(b"row:key:bob", b"\x04")  # takes the lock over and repairs slot 16
+        assert seg.cache_put(b"row:key:bob", b"\x04")  # takes the lock over and repairs slot 96
         st = seg.stat()
         assert st["lock"]["takeovers"] == 1 and st["lock"]["dirty_cache_slot"] == 0
-        assert st["cache"]["repairs"] == 1 and st["cache"]["used"] == 2
-        assert seg.cache_put(b"plan:alice:orders_by_id:1", b"rebuilt")
-        assert seg.cache_get(b"plan:alice:orders_by_id:1") == b"rebuilt"
+        assert st["cache"]["repairs"] == 1 and st["cache"]["used"] == 4
+        assert seg.cache_put(b"p:alice\x00orders_by_id", b"rebuilt")
+        assert seg.cache_get(b"p:alice\x00orders_by_id") == b"rebuilt"
     finally:
         seg.close()
 

@@ -125,32 +125,43 @@ def _cache_slot(buf: bytes, n: int) -> dict:
             "value": value, "reserved": buf[off + 32:off + 64]}
 
 
-def test_cache_slots_C1_C2_and_entry_convention():
-    """[Cache] C1 even seq when published, C2 set = crc32(key) % sets, first empty way; [Cache entries] msgpack."""
+PLAN_KEY = b"p:alice\x00orders_by_id"
+KEY_KEY = b"k:577d63245a20fb42908e5dacb12ee30532da351028e571d2121705bf92e04cc9"  # sha256("qag-vector-secret")
+
+
+def test_cache_slots_C1_C2_and_entries_E5():
+    """[Cache] C1 even seq when published, C2 set = crc32(key) % sets, first empty way; [Cache entries] the
+    values are the entry vectors' bytes under their E5 cache keys."""
     sets = u32(SEG, 68) // 8
-    plan_key = b"plan:alice:orders_by_id:1"
-    assert zlib.crc32(plan_key) % sets == 2
-    plan = _cache_slot(SEG, 16)
-    assert plan["seq"] == 2 and plan["key"] == plan_key and plan["kcrc"] == zlib.crc32(plan_key)
+    assert zlib.crc32(PLAN_KEY) % sets == 12
+    plan = _cache_slot(SEG, 96)
+    assert plan["seq"] == 2 and plan["key"] == PLAN_KEY and plan["kcrc"] == zlib.crc32(PLAN_KEY)
     assert plan["stamp"] == 1 and plan["pid"] == 4242 and plan["reserved"] == bytes(32)
-    fmt, gens, payload = msgpack.unpackb(plan["value"], raw=False)
-    assert fmt == 1
-    assert gens == [["key", "alice", 2], ["query", "orders_by_id", 1], ["connection", "main", 1]]
-    assert payload == {"sql": "SELECT id, total FROM orders WHERE id = %(id)s", "params": ["id"]}
+    assert plan["value"] == (VECTORS / "plan_entry.bin").read_bytes()
+    # E1: the segment's generations of alice, orders_by_id and main
+    assert msgpack.unpackb(plan["value"])["gens"] == [2, 1, 1]
     row = _cache_slot(SEG, 56)
     assert zlib.crc32(b"row:key:alice") % sets == 7
     assert (row["seq"], row["key"], row["value"], row["stamp"]) == (2, b"row:key:alice", b"\x01\x02\x03", 2)
+    key = _cache_slot(SEG, 48)
+    assert zlib.crc32(KEY_KEY) % sets == 6
+    assert (key["key"], key["value"], key["stamp"]) == (KEY_KEY, (VECTORS / "key_entry.bin").read_bytes(), 3)
+    conn = _cache_slot(SEG, 40)
+    assert zlib.crc32(b"c:main") % sets == 5
+    conn_value = (VECTORS / "connection_entry.bin").read_bytes()
+    assert (conn["key"], conn["value"], conn["stamp"]) == (b"c:main", conn_value, 4)
     used = [n for n in range(u32(SEG, 68)) if _cache_slot(SEG, n)["klen"]]
-    assert used == [16, 56]
-    assert (u64(SEG, 704), u64(SEG, 712), u64(SEG, 720), u64(SEG, 728), u64(SEG, 736)) == (2, 0, 0, 0, 2)
+    assert used == [40, 48, 56, 96]
+    assert (u64(SEG, 704), u64(SEG, 712), u64(SEG, 720), u64(SEG, 728), u64(SEG, 736)) == (4, 0, 0, 0, 4)
 
 
 def test_cache_tags_C5():
     """[Cache] C5: per set 8 x u32 crc32 of each way's key, 0 when empty."""
     off = region(SEG, "cache_tags")[0]
-    tags = struct.unpack_from("<8I", SEG, off + 32 * 2)
-    assert tags == (zlib.crc32(b"plan:alice:orders_by_id:1"), 0, 0, 0, 0, 0, 0, 0)
+    tags = struct.unpack_from("<8I", SEG, off + 32 * 12)
+    assert tags == (zlib.crc32(PLAN_KEY), 0, 0, 0, 0, 0, 0, 0)
     assert struct.unpack_from("<8I", SEG, off + 32 * 7)[0] == zlib.crc32(b"row:key:alice")
+    assert struct.unpack_from("<8I", SEG, off + 32 * 2) == (0,) * 8
 
 
 def _series(buf: bytes) -> list[tuple]:
@@ -248,20 +259,20 @@ def test_ring_wrap_pad_word_R1():
 
 def test_crashed_vector_K4_state():
     """[Writer lock] K2/K4 and [Cache] C4: the state a writer killed in cache_put leaves behind."""
-    plan = _cache_slot(CRASHED, 16)
+    plan = _cache_slot(CRASHED, 96)
     assert plan["seq"] == 3 and plan["seq"] & 1  # odd: readers must treat it as a miss
     assert u64(CRASHED, 576) == 0x7FFFFFFF and u64(CRASHED, 584) == 1
     assert u64(CRASHED, 600) == u64(SEG, 600) + 1
-    assert u64(CRASHED, 608) == 17  # dirty slot = index + 1
+    assert u64(CRASHED, 608) == 97  # dirty slot = index + 1
     diff = [i for i in range(len(SEG)) if SEG[i] != CRASHED[i]]
-    slot_off = region(SEG, "cache")[0] + 16 * 4096
+    slot_off = region(SEG, "cache")[0] + 96 * 4096
     assert all(i < 1024 or slot_off <= i < slot_off + 4096 for i in diff)
 
 
 def test_lock_line_released_in_healthy_vector_K2():
-    """[Writer lock] K2: a released lock has owner 0; lock_seq counts acquisitions (4 bumps, 2 puts, 3 series)."""
+    """[Writer lock] K2: a released lock has owner 0; lock_seq counts acquisitions (4 bumps, 4 puts, 3 series)."""
     assert u64(SEG, 576) == 0 and u64(SEG, 608) == 0 and u64(SEG, 616) == 0
-    assert u64(SEG, 600) == 9
+    assert u64(SEG, 600) == 11
 
 
 def test_vectors_are_current():
