@@ -1,15 +1,89 @@
-//! What Python publishes in the segment's cache for the plane (qag/publish.py): key, plan and connection
-//! entries, and their validation against the current generations. Anything malformed or stale is a miss.
+//! The payloads the plane exchanges with Python through the segment (shm/LAYOUT.md [Entries], [Run record]),
+//! the twin of qag/entries.py: the key, plan and connection entries Python publishes in the cache, validated
+//! against the current generations (anything malformed or stale is a miss), and the run record the plane
+//! writes into its ring. Each payload's fields are declared once below (`KEY_FIELDS`…`RUN_FIELDS`); the
+//! tests (tests/entries_vectors.rs) decode the golden vectors `python -m shm.vectors` wrote field by field
+//! and fail when a field is declared on one side only.
 
 use crate::mask::Action;
-use crate::msgpack::Value;
+use crate::msgpack::{self, Enc, Value};
 use crate::params::Spec;
-use crate::segment::{unpack_entry, EntryGen, GenKind, Segment};
+use crate::segment::{GenKind, Segment};
 use std::any::Any;
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::rc::Rc;
 use std::net::IpAddr;
+
+/// LAYOUT.md [Key entry]: the fields of a key entry, in the order Python writes them (E4). `row` is read by
+/// other Python workers only.
+pub const KEY_FIELDS: &[&str] = &["name", "active", "expires_at_us", "allowed_ips", "prev", "prev_until_us", "gen", "rate_limit", "row"];
+
+/// LAYOUT.md [Plan entry] (E4). `sql_driver`, `write_ops` and `tables` are Python's; the plane ignores them.
+pub const PLAN_FIELDS: &[&str] = &[
+    "query", "version", "published_version", "connection", "dialect", "sql_native", "sql_driver", "sql_pieces",
+    "arg_names", "specs", "transforms", "names", "page_mode", "is_write", "write_ops", "tables", "gens", "cache_ttl",
+    "default_page_size", "max_page_size", "query_timeout", "state_free",
+];
+
+/// LAYOUT.md [Plan entry] `specs`: each declared parameter, as `Spec::from_value` reads it (E4).
+pub const SPEC_FIELDS: &[&str] =
+    &["name", "type", "required", "has_default", "default", "enum", "min", "max", "min_length", "max_length", "pattern"];
+
+/// LAYOUT.md [Connection entry] (E4).
+pub const CONNECTION_FIELDS: &[&str] = &["db", "host", "port", "user", "database", "options", "active", "gen", "connect_timeout"];
+
+/// LAYOUT.md [Run record] RR1: the run record's fields, in their order in the array.
+pub const RUN_FIELDS: [&str; 15] = [
+    "v", "at_us", "key_name", "query", "version", "connection", "status", "code", "rows", "duration_us", "bytes",
+    "request_id", "served_by", "transport", "route",
+];
+
+/// RR3: the run record's major version, its first field.
+pub const RUN_VERSION: u64 = 1;
+
+/// One served call as the plane records it (LAYOUT.md [Run record]): `encode` writes RUN_FIELDS in order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunRecord<'a> {
+    pub at_us: i64,
+    pub key_name: Option<&'a str>,
+    pub query: Option<&'a str>,
+    pub version: Option<i64>,
+    pub connection: Option<&'a str>,
+    pub status: u16,
+    pub code: Option<&'a str>,
+    pub rows: i64,
+    pub duration_us: i64,
+    pub bytes: i64,
+    pub request_id: &'a str,
+    pub served_by: &'a str,
+    pub transport: &'a str,
+    pub route: &'a str,
+}
+
+impl RunRecord<'_> {
+    /// RR1: the msgpack array, byte-identical to qag/entries.py's `pack_run` for the same values.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut e = Enc::default();
+        e.array(RUN_FIELDS.len());
+        e.uint(RUN_VERSION);
+        e.int(self.at_us);
+        e.opt_str(self.key_name);
+        e.opt_str(self.query);
+        e.opt_int(self.version);
+        e.opt_str(self.connection);
+        e.uint(self.status as u64);
+        e.opt_str(self.code);
+        e.int(self.rows);
+        e.int(self.duration_us);
+        e.int(self.bytes);
+        e.str(self.request_id);
+        e.str(self.served_by);
+        e.str(self.transport);
+        e.str(self.route);
+        e.0
+    }
+}
 
 /// Cache key of a key entry: b"k:" + lowercase hex sha256(secret).
 pub fn key_cache_key(secret_sha256_hex: &str) -> Vec<u8> {
@@ -36,21 +110,21 @@ thread_local! {
     static MEMO: RefCell<MemoMap> = RefCell::new(HashMap::new());
 }
 
-/// The entry under `key`, parsed once per distinct value; the convention's generation list (LAYOUT.md
-/// [Cache entries]), when present, is checked against the segment on every call.
+/// The entry under `key`, parsed once per distinct value. E4: an entry is one msgpack map; any other value
+/// is a miss. Its generations (E1) are checked by each `load`, on every call.
 fn fetch<T: 'static>(seg: &Segment, key: &[u8], parse: fn(&[u8], &Value) -> Option<T>) -> Option<Rc<T>> {
     let raw = seg.cache_get(key)?;
     let hit = MEMO.with(|m| {
         let m = m.borrow();
         let (old, v) = m.get(key)?;
-        if *old == raw { v.clone().downcast::<(Vec<EntryGen>, Option<Rc<T>>)>().ok() } else { None }
+        if *old == raw { v.clone().downcast::<Option<Rc<T>>>().ok() } else { None }
     });
     let entry = match hit {
         Some(e) => e,
         None => {
-            let parsed: Rc<(Vec<EntryGen>, Option<Rc<T>>)> = Rc::new(match unpack_entry(&raw) {
-                Some((payload, gens)) => (gens, parse(key, &payload).map(Rc::new)),
-                None => (Vec::new(), None),
+            let parsed: Rc<Option<Rc<T>>> = Rc::new(match msgpack::decode(&raw) {
+                Some(v @ Value::Map(_)) => parse(key, &v).map(Rc::new),
+                _ => None,
             });
             MEMO.with(|m| {
                 let mut m = m.borrow_mut();
@@ -62,10 +136,7 @@ fn fetch<T: 'static>(seg: &Segment, key: &[u8], parse: fn(&[u8], &Value) -> Opti
             parsed
         }
     };
-    if entry.0.iter().any(|(k, i, g)| seg.gen(*k, i) != *g) {
-        return None;
-    }
-    entry.1.clone()
+    (*entry).clone()
 }
 
 fn opt_i64(v: &Value, k: &str) -> Option<Option<i64>> {
@@ -196,7 +267,7 @@ pub fn ip_in(ip: IpAddr, net: &str) -> bool {
 pub struct PlanEntry {
     pub query: String,
     pub version: i64,
-    /// The query's published version when the entry was written (ENTRIES.md, plan entry 1.1). The plane
+    /// The query's published version when the entry was written (LAYOUT.md [Plan entry], 1.1). The plane
     /// serves an entry only when it equals `version`: it serves calls without `version`, which run the
     /// published one; an entry without the field (an older publisher) is forwarded.
     pub published_version: Option<i64>,
@@ -214,7 +285,7 @@ pub struct PlanEntry {
     /// The entry says whether names were traced ("names" present, even nil). A masking plan from a
     /// publisher that does not say is forwarded: Python checks the names at call time, the plane could not.
     pub names_published: bool,
-    /// connectors.py S5 (ENTRIES.md 1.1): the statement is proven to leave no session state behind. False
+    /// connectors.py S5 (LAYOUT.md [Plan entry], 1.1): the statement is proven to leave no session state behind. False
     /// (or absent): the session is reset after the call (PostgreSQL) or closed (MySQL).
     pub state_free: bool,
     /// A saved query with `cache_ttl` answers repeat calls from Python's result cache: forwarded.
@@ -277,10 +348,10 @@ impl PlanEntry {
             arg_names: v.get("arg_names")?.as_array()?.iter().map(|x| x.as_str().map(str::to_string)).collect::<Option<_>>()?,
             specs: v.get("specs")?.as_array()?.iter().map(Spec::from_value).collect::<Option<_>>()?,
             transforms,
-            names_published: v.get("names").or_else(|| v.get("output_names")).is_some(),
+            names_published: v.get("names").is_some(),
             state_free: v.get("state_free").and_then(Value::as_bool).unwrap_or(false),
             cache_ttl: !matches!(v.get("cache_ttl"), None | Some(Value::Nil) | Some(Value::UInt(0)) | Some(Value::Int(0))),
-            output_names: match v.get("names").or_else(|| v.get("output_names")) {
+            output_names: match v.get("names") {
                 None | Some(Value::Nil) => None,
                 Some(a) => Some(a.as_array()?.iter().map(|x| if x.is_nil() { Some(None) } else { x.as_str().map(|s| Some(s.to_string())) })
                     .collect::<Option<Vec<_>>>()?),
@@ -347,7 +418,7 @@ pub struct ConnEntry {
     pub user: Option<String>,
     pub database: Option<String>,
     pub options: BTreeMap<String, String>,
-    /// cfg.connect_timeout in seconds (publish.py; absent from older publishers: 3 s).
+    /// cfg.connect_timeout in seconds (qag/entries.py; absent from older publishers: 3 s).
     pub connect_timeout: f64,
     pub gen: u64,
 }

@@ -14,7 +14,7 @@
 //! into what psycopg2 / mysql-connector-python would return, so render.py's bytes come out.
 //!
 //! Each served call is recorded in the plane's own ring (a run record identical to
-//! `qag/runrecord.py`'s, `served_by = "plane"`) and counted in its own counter slot, so the recorder
+//! `qag/entries.py`'s, `served_by = "plane"`) and counted in its own counter slot, so the recorder
 //! and `/metrics` see it like any worker's.
 //!
 //! Modules, from the wire down:
@@ -24,7 +24,7 @@
 //!   counters);
 //! - `options` (a call's query string and `format`/`page`/`page_size`, twin of qag/http/options.py),
 //!   [`params`] (parameter specs and binding, twin of qag/params.py), `error` (error answers and bodies);
-//! - [`entries`] (the published key, plan and connection entries, ENTRIES.md), [`mask`] (masking),
+//! - [`entries`] (the published key, plan and connection entries and the run record, shm/LAYOUT.md [Entries], [Run record]), [`mask`] (masking),
 //!   [`render`] (JSON, NDJSON, CSV), [`pyfmt`] (Python's text forms);
 //! - `pg` and `mysql` (sessions and value decoding per database), `pool` (per-thread session pools and the
 //!   lease of a session), `limits` (statement limits, client-side deadlines, keepalives);

@@ -3,7 +3,7 @@
 //! series table (S1-S3, N1-N2), slot claim and heartbeat (M1, M2), and the writers' lock (K2, K3).
 //! Rule labels in comments are LAYOUT.md's.
 
-use crate::msgpack::{self, Enc, Value};
+use crate::msgpack::{self, Enc};
 use crate::sys::{self, Mapping, Sem};
 use std::collections::HashMap;
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
@@ -105,9 +105,6 @@ pub struct Geometry {
 }
 
 type Labels = Vec<(String, String)>;
-
-/// (kind, identifier, generation) an entry was built from ([Cache entries]).
-pub type EntryGen = (GenKind, String, u64);
 
 struct SeriesCache {
     decoded: usize,
@@ -587,29 +584,4 @@ fn decode_desc(b: &[u8]) -> Option<(String, Labels)> {
         labels.push((p.first()?.as_str()?.to_string(), p.get(1)?.as_str()?.to_string()));
     }
     Some((name, labels))
-}
-
-/// Decode a cache entry under qag's convention (LAYOUT.md [Cache entries]): `[1, [[kind, ident, gen]…], payload]`
-/// gives (payload, gens); a bare msgpack map gives (map, no gens).
-pub fn unpack_entry(b: &[u8]) -> Option<(Value, Vec<EntryGen>)> {
-    let v = msgpack::decode(b)?;
-    match v {
-        Value::Array(mut a) if a.len() == 3 && a[0].as_u64() == Some(1) => {
-            let payload = a.pop()?;
-            let mut gens = Vec::new();
-            for g in a[1].as_array()? {
-                let g = g.as_array()?;
-                let kind = match g.first()?.as_str()? {
-                    "key" => GenKind::Key,
-                    "query" => GenKind::Query,
-                    "connection" => GenKind::Connection,
-                    _ => return None,
-                };
-                gens.push((kind, g.get(1)?.as_str()?.to_string(), g.get(2)?.as_u64()?));
-            }
-            Some((payload, gens))
-        }
-        Value::Map(_) => Some((v, Vec::new())),
-        _ => None,
-    }
 }

@@ -1,10 +1,10 @@
 //! Recording a served call as any worker's is recorded (Observer.request + RingRecorder): its counters and
 //! histograms in the plane's counter slot (series registered once per thread, N1), and its run record
-//! (qag/runrecord.py's field order, `served_by = "plane"`) pushed into the plane's ring (R1-R3), waiting
+//! (shm/LAYOUT.md [Run record], encoded by `entries::RunRecord`, `served_by = "plane"`) pushed into the plane's ring (R1-R3), waiting
 //! up to QAG_RECORD_WAIT_MS on a full ring before the run is counted lost.
 
 use super::Shared;
-use crate::msgpack::Enc;
+use crate::entries::RunRecord;
 use crate::segment::{KIND_COUNTER, KIND_HISTOGRAM};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -19,7 +19,7 @@ pub(super) struct Producer {
     cells: HashMap<&'static str, HashMap<String, Option<u32>>>,
 }
 
-/// One call's run record (qag/runrecord.py field order), written by `Shared::finish`.
+/// What `Shared::finish` records of one call (LAYOUT.md [Run record], encoded by `entries::RunRecord`).
 pub(super) struct Run {
     pub(super) at_us: i64,
     pub(super) key_name: Option<String>,
@@ -54,24 +54,23 @@ impl Shared {
     /// Observer.request + RingRecorder: count the call in our slot, push the run into our ring.
     pub(super) async fn finish(&self, run: Run, t0: Instant, query_seconds: Option<f64>, plan_hit: Option<bool>) {
         let duration = t0.elapsed().as_secs_f64();
-        let mut e = Enc::default();
-        e.array(15);
-        e.uint(1);
-        e.int(run.at_us);
-        e.opt_str(run.key_name.as_deref());
-        e.str(&run.query);
-        e.opt_int(run.version);
-        e.opt_str(run.connection.as_deref());
-        e.uint(run.status as u64);
-        e.opt_str(run.code);
-        e.int(run.rows);
-        e.int((duration * 1e6) as i64);
-        e.int(run.bytes);
-        e.str(&run.request_id);
-        e.str("plane");
-        e.str("http");
-        e.str(ROUTE);
-        let payload = e.0;
+        let payload = RunRecord {
+            at_us: run.at_us,
+            key_name: run.key_name.as_deref(),
+            query: Some(&run.query),
+            version: run.version,
+            connection: run.connection.as_deref(),
+            status: run.status,
+            code: run.code,
+            rows: run.rows,
+            duration_us: (duration * 1e6) as i64,
+            bytes: run.bytes,
+            request_id: &run.request_id,
+            served_by: "plane",
+            transport: "http",
+            route: ROUTE,
+        }
+        .encode();
         let slot = self.slot;
         {
             let mut p = self.producer.lock().unwrap_or_else(|e| e.into_inner());

@@ -1,0 +1,166 @@
+"""The entries and the run record Python and the plane exchange (shm/LAYOUT.md [Entries], [Run record]): the golden
+vectors decoded field by field, each test naming the rule it checks. Every declaration is compared with this
+language's writers, with LAYOUT.md's tables and with rustplane/src/entries.rs's declaration: a field added on one
+side only fails here (and in rustplane/tests/entries_vectors.rs)."""
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from qag import entries
+from shm import vectors
+
+ROOT = Path(__file__).resolve().parents[2]
+VECTORS = ROOT / "shm" / "vectors"
+LAYOUT = (ROOT / "shm" / "LAYOUT.md").read_text()
+RUST = (ROOT / "rustplane" / "src" / "entries.rs").read_text()
+
+
+def vector(name: str):
+    return msgpack.unpackb((VECTORS / name).read_bytes(), raw=False)
+
+
+def layout_table(heading: str) -> list[tuple[str, str]]:
+    """(field, type) of the table under `### heading` (or `## heading`) in LAYOUT.md, in its `#` order."""
+    m = re.search(rf"^##+ {re.escape(heading)}\n(.*?)(?=^##)", LAYOUT, re.S | re.M)
+    assert m, f"LAYOUT.md has a section {heading}"
+    rows = re.findall(r"^\| (\d+) \| `(\w+)` \| ([^|]+(?:\\\|[^|]+)*) \|", m.group(1), re.M)
+    assert [int(n) for n, _, _ in rows] == list(range(1, len(rows) + 1)), f"{heading}: # counts 1, 2, ..."
+    return [(f, t.replace("\\|", "|").strip()) for _, f, t in rows]
+
+
+def rust_fields(name: str) -> tuple[str, ...]:
+    m = re.search(rf"pub const {name}: [^=]+=\s*&?\[(.*?)\];", RUST, re.S)
+    assert m, f"rustplane/src/entries.rs declares {name}"
+    return tuple(re.findall(r'"(\w+)"', m.group(1)))
+
+
+ENTRY_CASES = [  # (declaration, LAYOUT.md section, Rust constant, vector)
+    (entries.KEY_ENTRY, "Key entry", "KEY_FIELDS", "key_entry.bin"),
+    (entries.PLAN_ENTRY, "Plan entry", "PLAN_FIELDS", "plan_entry.bin"),
+    (entries.CONNECTION_ENTRY, "Connection entry", "CONNECTION_FIELDS", "connection_entry.bin"),
+]
+
+
+@pytest.mark.parametrize("decl,section,rust,name", ENTRY_CASES, ids=[c[1] for c in ENTRY_CASES])
+def test_entry_fields_E4_are_declared_alike_everywhere(decl, section, rust, name):
+    """E4: the vector's keys, in order, are the declaration's, LAYOUT.md's table's and the plane's."""
+    assert list(vector(name)) == [f for f, _ in decl], f"{name}: the writer follows the declaration"
+    assert layout_table(section) == list(decl), f"LAYOUT.md [{section}] against qag/entries.py"
+    assert rust_fields(rust) == tuple(f for f, _ in decl), f"rustplane/src/entries.rs {rust} against qag/entries.py"
+
+
+def test_spec_fields_E4():
+    """E4: a plan entry's parameter specs, declared alike in Python, LAYOUT.md and the plane."""
+    spec = vector("plan_entry.bin")["specs"][0]
+    assert list(spec) == list(entries.SPEC_FIELDS)
+    assert layout_table("Parameter spec") == list(entries.SPEC_ENTRY)
+    assert rust_fields("SPEC_FIELDS") == entries.SPEC_FIELDS
+
+
+def test_key_entry_vector_fields():
+    """[Key entry] field by field; E1 gen is the segment vector's generation of key alice."""
+    k = vector("key_entry.bin")
+    assert k["name"] == "alice" and k["active"] is True
+    assert k["expires_at_us"] == 1_798_761_600_000_000  # 2027-01-01T00:00:00Z
+    assert k["allowed_ips"] == ["10.0.0.0/8"] and k["prev"] is False and k["prev_until_us"] is None
+    assert k["gen"] == 2 and k["rate_limit"] is None
+    assert k["row"] == {"name": "alice", "active": 1, "expires_at": "2027-01-01T00:00:00Z", "prev_valid_until": None,
+                        "grants": vectors.KEY_ROW["grants"]}
+
+
+def test_plan_entry_vector_fields():
+    """[Plan entry] field by field (P2 published_version, S5 state_free, E1 gens)."""
+    p = vector("plan_entry.bin")
+    assert (p["query"], p["version"], p["published_version"], p["connection"], p["dialect"]) == (
+        "orders_by_id", 1, 1, "main", "postgres")
+    assert p["sql_native"] == "SELECT id, total FROM orders WHERE id = $1"
+    assert p["sql_driver"] == "SELECT id, total FROM orders WHERE id = %(id)s" and p["sql_pieces"] is None
+    assert p["arg_names"] == ["id"]
+    assert p["specs"] == [{"name": "id", "type": "int", "required": True, "has_default": False, "default": None,
+                           "enum": None, "min": 1, "max": None, "min_length": None, "max_length": None,
+                           "pattern": None}]
+    assert p["transforms"] == [None, "mask"] and p["names"] == ["id", "total"]
+    assert (p["page_mode"], p["is_write"], p["write_ops"], p["tables"]) == ("append", False, [], ["orders"])
+    assert p["gens"] == [2, 1, 1] and p["cache_ttl"] is None
+    assert (p["default_page_size"], p["max_page_size"], p["query_timeout"], p["state_free"]) == (100, 1000, 30.0, True)
+
+
+def test_connection_entry_vector_fields_E6():
+    """[Connection entry] field by field; only text and integer options; E6 no password anywhere."""
+    c = vector("connection_entry.bin")
+    assert c == {"db": "postgres", "host": "127.0.0.1", "port": 5432, "user": "qag", "database": "shop",
+                 "options": {"search_path": "app"}, "active": True, "gen": 1, "connect_timeout": 3.0}
+    assert "password" not in (VECTORS / "connection_entry.bin").read_bytes().decode("utf-8", "replace")
+
+
+def test_cache_keys_E5():
+    """E5: k:<sha256 hex>, p:<key>\\0<query>, c:<connection>, as the plane computes them."""
+    assert entries.key_cache_key("ab" * 32) == b"k:" + b"ab" * 32
+    assert entries.plan_cache_key("alice", "orders_by_id") == b"p:alice\x00orders_by_id" == vectors.PLAN_KEY
+    assert entries.connection_cache_key("main") == b"c:main" == vectors.CONNECTION_KEY
+    assert 'format!("k:{secret_sha256_hex}")' in RUST and 'format!("c:{name}")' in RUST and "k.push(0);" in RUST
+
+
+def test_publisher_writes_plans_of_the_published_version_only_E3():
+    """E3/P2: a plan of another version than the published one, or an administrator's, is not written."""
+    puts = []
+    seg = type("Seg", (), {"cache_put": lambda self, k, v: puts.append((k, v)) or True})()
+    cfg = type("Cfg", (), {"home": "/nonexistent", **vectors.PLAN_CFG})()
+    pub = entries.Publisher(seg, cfg)
+    from types import SimpleNamespace
+
+    from qag import params
+    plan = SimpleNamespace(**vectors.PLAN, specs=params.build_specs(vectors.PLAN_PARAMS))
+    pub.plan(plan, vectors.PLAN_SQL, 2)
+    pub.plan(SimpleNamespace(**{**vars(plan), "key_name": None}), vectors.PLAN_SQL, 1)
+    assert puts == []
+    pub.plan(plan, vectors.PLAN_SQL, 1)
+    assert puts == [(vectors.PLAN_KEY, (VECTORS / "plan_entry.bin").read_bytes())]
+
+
+# -- the run record -----------------------------------------------------------------------------------------------
+
+def test_run_record_fields_RR1_are_declared_alike_everywhere():
+    """RR1: the one Python declaration, LAYOUT.md's table, the plane's RUN_FIELDS and the vector agree."""
+    assert entries.RUN_FIELDS == entries.RunRecord._fields and entries.RUN_NFIELDS == 15
+    table = layout_table("Run record")
+    assert [f for f, _ in table] == list(entries.RUN_FIELDS)
+    py_types = [t.replace(" | None", "|nil") for t in entries.RUN_TYPES]
+    assert [t.replace("uint", "int") for _, t in table] == py_types, "LAYOUT.md's types against RunRecord's"
+    assert rust_fields("RUN_FIELDS") == entries.RUN_FIELDS
+    assert len(vector("run_record.bin")) == entries.RUN_NFIELDS
+
+
+def test_run_record_vector_fields_RR1_RR3_RR4():
+    """The run_record.bin vector decoded field by field; RR3 v = 1; RR4 it starts with fixarray(15), 1."""
+    raw = (VECTORS / "run_record.bin").read_bytes()
+    assert raw[:2] == b"\x9f\x01"
+    rec = entries.decode_run(raw)
+    assert rec._asdict() == {"v": 1, **vectors.RUN}
+    assert rec.at_us == 1_700_000_000_000_000 and rec.served_by == "plane" and rec.code is None
+
+
+def test_run_record_writers_follow_the_declaration():
+    """pack_run's parameters and pack_run_of's keys are RUN_FIELDS after v; all three writers agree."""
+    params = list(inspect.signature(entries.pack_run).parameters)
+    assert [("bytes" if p == "nbytes" else p) for p in params] == list(entries.RUN_FIELDS[1:])
+    run = {f: f"value-{i}" for i, f in enumerate(entries.RUN_FIELDS)}  # a distinct value per field
+    rec = entries.decode_run(entries.pack_run_of(run, run["served_by"]))
+    assert rec._asdict() == {**run, "v": 1}
+    values = [vectors.RUN[f] for f in entries.RUN_FIELDS[1:]]
+    assert entries.pack_run(*values) == entries.encode_run(**vectors.RUN) == entries.pack_run_of(
+        vectors.RUN, "plane") == (VECTORS / "run_record.bin").read_bytes()
+
+
+def test_run_stores_columns_derive_from_the_declaration():
+    """The SQL store's and ClickHouse's run columns follow RunRecord, one column per field."""
+    from qag.runstore import clickhouse, sql
+    assert len(sql._COLS) == entries.RUN_NFIELDS  # event_id + every field but v
+    assert sql._COLS[1:] == tuple(sql._COLUMN[f][0] for f in entries.RUN_FIELDS[1:])
+    assert clickhouse.INSERT_COLUMNS[5:] == [clickhouse._COLUMN[f][0] for f in entries.RUN_FIELDS]
+    assert clickhouse._RECORD_HEAD == (VECTORS / "run_record.bin").read_bytes()[:2]
