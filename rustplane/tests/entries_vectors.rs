@@ -185,3 +185,19 @@ fn run_record_rr1_fields_order_and_bytes() {
     };
     assert_eq!(ours.encode(), bytes, "RR1: the plane's encoder writes Python's bytes, field for field");
 }
+
+#[test]
+fn one_convention_e4() {
+    // The plan entry of segment.bin wrapped as layout 1.0's first text described ([1, gens, payload]), in place.
+    let mut bytes = load("segment.bin");
+    let seg = segment(&bytes);
+    let base = seg.region(qag_plane::segment::R_CACHE) + 96 * 4096;
+    let key_len = u32::from_le_bytes(bytes[base + 8..base + 12].try_into().unwrap()) as usize;
+    let mut wrapped = b"\x93\x01\x90".to_vec();
+    wrapped.extend_from_slice(&load("plan_entry.bin"));
+    bytes[base + 12..base + 16].copy_from_slice(&(wrapped.len() as u32).to_le_bytes());
+    bytes[base + 64 + key_len..base + 64 + key_len + wrapped.len()].copy_from_slice(&wrapped);
+    let seg = segment(&bytes);
+    assert_eq!(seg.cache_get(&plan_cache_key("alice", "orders_by_id")), Some(wrapped), "C3: the slot holds the wrapped value");
+    assert!(matches!(PlanEntry::load(&seg, "alice", "orders_by_id"), PlanLookup::Miss), "E4: a value that is not one map is a miss");
+}
