@@ -108,19 +108,20 @@ def test_cache_keys_E5():
 
 def test_publisher_writes_plans_of_the_published_version_only_E3():
     """E3/P2: a plan of another version than the published one, or an administrator's, is not written."""
-    puts = []
-    seg = type("Seg", (), {"cache_put": lambda self, k, v: puts.append((k, v)) or True})()
-    cfg = type("Cfg", (), {"home": "/nonexistent", **vectors.PLAN_CFG})()
-    pub = entries.Publisher(seg, cfg)
     from types import SimpleNamespace
 
     from qag import params
+    from shm import Segment
+    seg = Segment.in_buffer(bytearray(vectors.SIZE), vectors.SLOTS, pid=vectors.PID, now_ns=vectors.NOW_NS)
+    pub = entries.Publisher(seg, SimpleNamespace(home="/nonexistent", **vectors.PLAN_CFG))
     plan = SimpleNamespace(**vectors.PLAN, specs=params.build_specs(vectors.PLAN_PARAMS))
     pub.plan(plan, vectors.PLAN_SQL, 2)
     pub.plan(SimpleNamespace(**{**vars(plan), "key_name": None}), vectors.PLAN_SQL, 1)
-    assert puts == []
+    assert seg.cache_stats()["puts"] == 0 and seg.cache_get(vectors.PLAN_KEY) is None
     pub.plan(plan, vectors.PLAN_SQL, 1)
-    assert puts == [(vectors.PLAN_KEY, (VECTORS / "plan_entry.bin").read_bytes())]
+    assert seg.cache_get(vectors.PLAN_KEY) == (VECTORS / "plan_entry.bin").read_bytes()
+    assert pub.get(vectors.PLAN_KEY) == vector("plan_entry.bin")
+    seg.close()
 
 
 # -- the run record -----------------------------------------------------------------------------------------------
