@@ -59,6 +59,8 @@ def parse_args(description, default_out, extra=None, db_floor='floor_pg'):
     p.add_argument('--qag-ref', default='', help='run qag from `git archive REF` (e.g. HEAD) instead of the installed '
                                                 'qag, so commits landing during a session do not change it')
     p.add_argument('--keep-going', action='store_true', help='log a failed run and continue')
+    p.add_argument('--store-suffix', default='', help='appended to the store databases this session drops and '
+                                                    'recreates (e.g. _mine), so two sessions at once keep apart')
     if extra:
         extra(p)
     opts = p.parse_args()

@@ -241,7 +241,7 @@ def main():
         p.add_argument('--warehouses', type=int, default=2, help='TPC-C warehouses to generate (default 2)')
     opts = B.parse_args(__doc__.splitlines()[0], os.path.join(H.BENCH_DIR, 'out', 'tpcc', 'results.jsonl'), extra,
                         db_floor='floor_mysql')
-    opts.store_suffix = '_tpcc'
+    opts.store_suffix = '_tpcc' + opts.store_suffix
     ensure_data(opts.warehouses)
     w, calls = workload(opts.warehouses)
     bench = B.Bench(opts, 'tpcc_mysql', w, calls, db_comms={'mariadbd', 'mysqld'},
