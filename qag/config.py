@@ -145,7 +145,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("database_url", "QAG_DATABASE_URL", _url, "", "PostgreSQL URL of the metadata store; empty means SQLite in QAG_HOME.", "url"),
     Setting("bind", "QAG_BIND", _bind, "127.0.0.1:8080", "Address qag serve listens on (HOST:PORT or unix:PATH).", "host:port"),
     Setting("workers", "QAG_WORKERS", _workers, "auto", "Worker processes: auto = one per physical core of the allowed CPUs.", "auto|int"),
-    Setting("threads", "QAG_THREADS", _pos_int, "4", "Threads per worker; they wait on databases, they add no CPU.", "int"),
+    Setting("threads", "QAG_THREADS", _pos_int, "8", "Threads per worker; they wait on databases, they add no CPU.", "int"),
     Setting("http_worker", "QAG_HTTP_WORKER", _http_worker, "qag", "gunicorn worker class: qag (gthread's HTTP handling, one-shot epoll hand-off) or gthread.", "qag|gthread"),
     Setting("pin", "QAG_PIN", _bool, "1", "Pin each worker to one logical CPU of its physical core.", "bool"),
     Setting("allow_writes", "QAG_ALLOW_WRITES", _bool, "0", "Allow saved queries that write (each key must also allow writes).", "bool"),
