@@ -2,8 +2,8 @@
 //!
 //! - [`accept`]: each plane thread's runtime, listener (SO_REUSEPORT) and connections, the dispatch of a
 //!   request (served here or forwarded), and draining on SIGTERM;
-//! - [`serve`]: the request path of `GET /q/<name>`, one stage after the other, mirroring Python's
-//!   DataResource.serve (auth, plan, bind, execute, govern, render);
+//! - [`serve`]: the request path of `GET /q/<name>`, one stage after the other, mirroring qag/http/data.py's
+//!   `DataResource.serve` (auth, plan, bind, execute, govern, render);
 //! - [`execute`]: the database call of a served request: a pooled session, the client-side deadline, one
 //!   retry on a fresh session;
 //! - [`forward`]: everything else, to gunicorn over kept-alive HTTP/1.1 connections;

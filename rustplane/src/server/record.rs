@@ -1,7 +1,8 @@
-//! Recording a served call as any worker's is recorded (Observer.request + RingRecorder): its counters and
-//! histograms in the plane's counter slot (series registered once per thread, N1), and its run record
-//! (shm/LAYOUT.md [Run record], encoded by `entries::RunRecord`, `served_by = "plane"`) pushed into the plane's ring (R1-R3), waiting
-//! up to QAG_RECORD_WAIT_MS on a full ring before the run is counted lost.
+//! Recording a served call as any worker's is recorded (qag/metrics.py `Observer.request`, qag/server/worker.py
+//! `RingRecorder`): its counters and histograms in the plane's counter slot (series registered once per
+//! thread, N1), and its run record (shm/LAYOUT.md [Run record], encoded by `entries::RunRecord`,
+//! `served_by = "plane"`) pushed into the plane's ring (R1-R3), waiting up to QAG_RECORD_WAIT_MS on a full
+//! ring before the run is counted lost.
 
 use super::Shared;
 use crate::entries::RunRecord;

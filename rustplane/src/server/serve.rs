@@ -1,7 +1,7 @@
 //! The request path of `GET /q/<name>`, top to bottom, for the calls the plane can answer exactly as
-//! Python's DataResource.serve would: authenticate (key entry) → plan (plan entry, connection entry) →
-//! bind (options, parameters) → execute → govern (masking) → render → record, each stage timed into
-//! `Server-Timing`. Each early return says why the call goes to Python instead (`Decision::Forward`).
+//! qag/http/data.py's `DataResource.serve` would: authenticate (key entry) → plan (plan entry, connection
+//! entry) → bind (options, parameters) → execute → govern (masking) → render → record, each stage timed
+//! into `Server-Timing`. Each early return says why the call goes to Python instead (`Decision::Forward`).
 
 use super::execute::{execute_mysql, execute_pg, Exec};
 use super::record::Run;
@@ -67,7 +67,7 @@ fn stage(stages: &mut Vec<(&'static str, f64)>, name: &'static str, since: Insta
     now
 }
 
-/// DataResource.serve for the calls the plane can answer exactly as Python would.
+/// qag/http/data.py DataResource.serve for the calls the plane can answer exactly as Python would.
 pub(super) async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Option<IpAddr>) -> Decision {
     let path = req.uri().path();
     let name = &path[3..];
