@@ -12,8 +12,8 @@ import uuid
 import harness as H
 import targets as T
 
-BLOCKS = ('dbonly', 'throughput', 'latency', 'governance', 'rows', 'writes', 'openloop', 'forward', 'workers', 'threads',
-          'recording', 'roundtrips', 'profile')
+BLOCKS = ('dbonly', 'throughput', 'latency', 'governance', 'rows', 'writes', 'openloop', 'forward', 'workers',
+          'threads', 'recording', 'roundtrips', 'profile')
 ROWS_LIST, ROWS_FORMATS = (1, 10, 100, 1000), ('json', 'ndjson', 'csv')
 # the smoke run's rows cells: each format's per-row path (the other blocks' calls are one row or a hundred)
 SMOKE_ROWS = ((1000, 'json'), (1000, 'ndjson'), (1000, 'csv'))
@@ -49,7 +49,8 @@ def parse_args(description, default_out, extra=None, db_floor='floor_pg'):
                                                        '(default: qag\'s own default only), e.g. 4,8,16')
     p.add_argument('--rows-list', default=','.join(map(str, ROWS_LIST)), help='rows per call in the rows block')
     p.add_argument('--rows-formats', default=','.join(ROWS_FORMATS), help='formats in the rows block')
-    p.add_argument('--roundtrip-rounds', type=int, default=1, help='rounds of the roundtrips block (counts, not timings)')
+    p.add_argument('--roundtrip-rounds', type=int, default=1,
+                   help='rounds of the roundtrips block (counts, not timings)')
     p.add_argument('--settle', type=float, default=11.0,
                    help='seconds to wait for PostgreSQL to publish idle backends\' statistics (roundtrips block)')
     p.add_argument('--out', default=default_out, help='results.jsonl to append to')
@@ -249,7 +250,8 @@ class Bench:
     def run(self):
         H.progress(f'session {self.results.session}: targets {", ".join(t.name for t in self.targets)}; '
                    f'blocks {", ".join(self.opts.blocks)}; gateway CPUs {H.cpu_list(self.opts.gateway_cpus)}, '
-                   f'load CPUs {H.cpu_list(self.opts.load_cpus)}, db CPUs {H.cpu_list(self.opts.db_cpus) or "unpinned"}')
+                   f'load CPUs {H.cpu_list(self.opts.load_cpus)}, '
+                   f'db CPUs {H.cpu_list(self.opts.db_cpus) or "unpinned"}')
         self.pin_db()
         try:
             for block in self.opts.blocks:
@@ -429,7 +431,8 @@ class Bench:
                         self.fail('forward', f'{via} {call.name}', exc)
             if p50['plane'] and p50['direct']:
                 H.progress(f'[forward] {call.name}: p50 through the plane {H.med(p50["plane"]):.3f} ms, straight to '
-                           f'gunicorn {H.med(p50["direct"]):.3f} ms: +{H.med(p50["plane"]) - H.med(p50["direct"]):.3f} ms')
+                           f'gunicorn {H.med(p50["direct"]):.3f} ms: '
+                           f'+{H.med(p50["plane"]) - H.med(p50["direct"]):.3f} ms')
 
     def block_workers(self):
         """Workers 1..N (one per gateway CPU by default) at --scale-callers: how each target scales."""

@@ -135,7 +135,8 @@ def run(root: str, label: str, outage: float, conns: int) -> dict:
         for path, body in (("/api/v1/connections", {"name": "oltp", "db": "postgres", "host": "127.0.0.1",
                                                     "port": 5432, "user": "postgres", "database": DB}),
                            ("/api/v1/queries", {"name": "account", "connection_name": "oltp",
-                                                "sql": "SELECT aid, bid, abalance FROM pgbench_accounts WHERE aid = :aid",
+                                                "sql": "SELECT aid, bid, abalance FROM pgbench_accounts "
+                                                       "WHERE aid = :aid",
                                                 "parameters": {"aid": {"type": "int", "required": True}},
                                                 "publish": True})):
             st, b = http("POST", base + path, admin, body)
@@ -178,7 +179,8 @@ def run(root: str, label: str, outage: float, conns: int) -> dict:
             time.sleep(1)
         lost = metric(base, "qag_runs_lost_total")
         recorded = last
-        res = {"label": label, "root": root, "outage_s": outage, "conns": conns, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
+        res = {"label": label, "root": root, "outage_s": outage, "conns": conns,
+               "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
                "load_avg": os.getloadavg()[0], "rps_before": before["rps"], "rps_during": during["rps"],
                "rps_after": after["rps"], "rps_during_parts": [p["rps"] for p in parts],
                "p99_ms_during": during["p99_ms"], "max_ms_during": during["max_ms"],

@@ -304,7 +304,8 @@ def readonly(args) -> None:
                     hz = os.sysconf("SC_CLK_TCK")
                     emit({"experiment": "readonly", "bin": os.path.basename(b) or "default", "round": rnd,
                           "conns": args.conns, "calls": len(lat), "calls_per_s": round(len(lat) / (t1 - t0), 1),
-                          "p50_ms": round(lat[len(lat) // 2] * 1000, 3), "p99_ms": round(lat[int(len(lat) * 0.99)] * 1000, 3),
+                          "p50_ms": round(lat[len(lat) // 2] * 1000, 3),
+                          "p99_ms": round(lat[int(len(lat) * 0.99)] * 1000, 3),
                           "db_cpu_us_per_call": round((c1 - c0) / hz * 1e6 / max(1, len(lat)), 1)})
                 finally:
                     srv.stop()

@@ -67,7 +67,8 @@ PLAN_SQL = {
                "SELECT b.bid, t.s FROM pgbench_branches b JOIN t ON t.bid = b.bid",
         "window": "SELECT aid, abalance, rank() OVER (PARTITION BY bid ORDER BY abalance DESC) AS r "
                   "FROM pgbench_accounts WHERE aid BETWEEN :aid AND :aid + 50",
-        "aggregate": "SELECT bid, count(*) AS n, max(abalance) AS top FROM pgbench_accounts GROUP BY bid HAVING count(*) > :aid",
+        "aggregate": "SELECT bid, count(*) AS n, max(abalance) AS top FROM pgbench_accounts GROUP BY bid "
+                     "HAVING count(*) > :aid",
         "union": "SELECT aid AS id, abalance AS v FROM pgbench_accounts WHERE aid = :aid UNION ALL "
                  "SELECT bid, bbalance FROM pgbench_branches",
         "subquery": "SELECT aid, abalance FROM pgbench_accounts WHERE bid IN (SELECT bid FROM pgbench_branches "
@@ -84,9 +85,10 @@ PLAN_SQL = {
                   "FROM customer WHERE c_id < :c",
         "aggregate": "SELECT c_d_id, count(*) AS n, max(c_balance) AS top FROM customer GROUP BY c_d_id "
                      "HAVING count(*) > :c",
-        "union": "SELECT c_id AS id, c_balance AS v FROM customer WHERE c_id = :c UNION ALL SELECT c_d_id, c_credit_lim "
-                 "FROM customer WHERE c_id = 1",
-        "subquery": "SELECT c_id, c_balance FROM customer WHERE c_d_id IN (SELECT c_d_id FROM customer WHERE c_id = :c)",
+        "union": "SELECT c_id AS id, c_balance AS v FROM customer WHERE c_id = :c UNION ALL "
+                 "SELECT c_d_id, c_credit_lim FROM customer WHERE c_id = 1",
+        "subquery": "SELECT c_id, c_balance FROM customer "
+                    "WHERE c_d_id IN (SELECT c_d_id FROM customer WHERE c_id = :c)",
         "json": "SELECT JSON_OBJECT('id', c_id, 'last', c_last) AS doc FROM customer WHERE c_id = :c",
     },
 }
@@ -144,7 +146,8 @@ def _clear_analysis_caches():
     import pkgutil
 
     import qag.governance
-    mods = ["qag.params", "qag.plan"] + [f"qag.governance.{m.name}" for m in pkgutil.iter_modules(qag.governance.__path__)]
+    mods = ["qag.params", "qag.plan"] + [f"qag.governance.{m.name}"
+                                         for m in pkgutil.iter_modules(qag.governance.__path__)]
     n = 0
     for mod in mods:
         try:

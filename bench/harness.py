@@ -265,8 +265,8 @@ class Results:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
     def add(self, **row):
-        row = {'session': self.session, 'harness': self.harness, 'at': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime()),
-               **self.common, **row}
+        row = {'session': self.session, 'harness': self.harness,
+               'at': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime()), **self.common, **row}
         self.rows.append(row)
         with open(self.path, 'a') as f:
             f.write(json.dumps(row, sort_keys=True) + '\n')

@@ -36,7 +36,8 @@ def main():
     rows = [probe(int(c), opts.seconds) for c in opts.cpus.split(',') if c]
     for r in rows:
         print(f"cpu {r['cpu']}: {r['wakeups']} wake-ups, late p50 {r['late_p50_ms']} / p99 {r['late_p99_ms']} / "
-              f"p99.9 {r['late_p999_ms']} / max {r['late_max_ms']} ms; {r['over_5ms']} over 5 ms (load {r['loadavg']:.2f})")
+              f"p99.9 {r['late_p999_ms']} / max {r['late_max_ms']} ms; {r['over_5ms']} over 5 ms "
+              f"(load {r['loadavg']:.2f})")
     if opts.out:
         with open(opts.out, 'a') as f:
             for r in rows:

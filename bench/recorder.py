@@ -43,9 +43,10 @@ import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from recorder_throughput import _fill, _pg_db, _proc_cpu
+
 from qag.entries import pack_run
 from qag.recorder import run_recorder
-from recorder_throughput import _fill, _pg_db, _proc_cpu
 from qag.runstore import StoreSettings, open_store
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -138,8 +139,9 @@ def producer_cost(calls: int, rounds: int) -> dict:
                 ring.release(ring.head)  # the consumer's part, outside the timed loop
                 done += chunk
             per_call.append(spent / done * 1e6)
-        return {"calls_per_round": calls, "rounds": rounds, "record_bytes": len(pack_run(0, "svc-orders", "customer_by_id", 3, "main", 200, None, 1, 730, 181,
-                                                "01JDX7Q" + "0" * 19, "worker:0", "http", "/q/{name}")),
+        record = pack_run(0, "svc-orders", "customer_by_id", 3, "main", 200, None, 1, 730, 181,
+                          "01JDX7Q" + "0" * 19, "worker:0", "http", "/q/{name}")
+        return {"calls_per_round": calls, "rounds": rounds, "record_bytes": len(record),
                 "median_us": round(statistics.median(per_call), 3), "min_us": round(min(per_call), 3),
                 "max_us": round(max(per_call), 3)}
     finally:
@@ -329,7 +331,8 @@ def main(argv=None) -> int:
         ab = ab_worker_cost(args.ab_rounds, args.ab_duration)
         emit({"kind": "ab", **ab})
         p["share_of_measured_worker_cpu_pct"] = round(100 * p["median_us"] / ab["recording_us_per_call"], 3)
-        emit({"kind": "producer_vs_ab", "producer_us": p["median_us"], "worker_us_per_call": ab["recording_us_per_call"],
+        emit({"kind": "producer_vs_ab", "producer_us": p["median_us"],
+              "worker_us_per_call": ab["recording_us_per_call"],
               "share_pct": p["share_of_measured_worker_cpu_pct"]})
         print(f"A/B: worker {ab['recording_us_per_call']} µs CPU per call recording "
               f"({ab['recording_min_max'][0]}-{ab['recording_min_max'][1]}), {ab['no_recording_us_per_call']} without "

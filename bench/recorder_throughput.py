@@ -15,12 +15,11 @@ import argparse
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
 import uuid
-
-import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -75,7 +74,8 @@ def measure(kind: str, runs: int, rounds: int, batch_max: int | None = None) -> 
             stop = threading.Event()
             c0, b0 = time.process_time(), _proc_cpu(backend)
             t0 = time.perf_counter()
-            th = threading.Thread(target=run_recorder, args=(seg, store, stop), kwargs={"batch_max": bm, "batch_ms": 50})
+            th = threading.Thread(target=run_recorder, args=(seg, store, stop),
+                                  kwargs={"batch_max": bm, "batch_ms": 50})
             th.start()
             rings = [seg.ring(i) for i in range(seg.ring_count())]
             while any(x.tail != x.head for x in rings):
@@ -181,7 +181,8 @@ def main(argv=None) -> int:
         print(f"{res['store']:>11}: {res['median_runs_per_s']:>8,} runs/s (min {res['min']:,}, max {res['max']:,}; "
               f"batch_max {res['batch_max']}, {res['rounds']} x {res['runs_per_round']:,} runs); "
               f"CPU-bound {res['cpu_bound_runs_per_s']:,} runs/s (CPU s per 100,000 runs: recorder "
-              f"{res['recorder_cpu_s_per_100k']}, database server {res['db_server_cpu_s_per_100k'] or '-'})", flush=True)
+              f"{res['recorder_cpu_s_per_100k']}, database server {res['db_server_cpu_s_per_100k'] or '-'})",
+              flush=True)
     return 0
 
 

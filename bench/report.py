@@ -10,12 +10,14 @@ import os
 import statistics
 import sys
 
-TARGET_ORDER = ['peer', 'peer_cache', 'qag', 'qag_plane', 'floor_pg', 'floor_mysql', 'floor_hello', 'health_floor', 'postgres']
-LABEL = {'peer': 'QueryAPIGate 0.43', 'peer_cache': 'QueryAPIGate 0.43 + cache', 'qag': 'qag', 'qag_plane': 'qag + plane',
+TARGET_ORDER = ['peer', 'peer_cache', 'qag', 'qag_plane', 'floor_pg', 'floor_mysql', 'floor_hello', 'health_floor',
+                'postgres']
+LABEL = {'peer': 'QueryAPIGate 0.43', 'peer_cache': 'QueryAPIGate 0.43 + cache', 'qag': 'qag',
+         'qag_plane': 'qag + plane',
          'floor_pg': 'Falcon+psycopg2 floor', 'floor_mysql': 'Falcon+mysql-connector floor',
          'floor_hello': 'Falcon hello floor', 'postgres': 'PostgreSQL'}
-BLOCK_ORDER = ['dbonly', 'throughput', 'latency', 'governance', 'rows', 'writes', 'capacity', 'openloop', 'forward', 'workers',
-               'threads', 'recording', 'roundtrips']
+BLOCK_ORDER = ['dbonly', 'throughput', 'latency', 'governance', 'rows', 'writes', 'capacity', 'openloop', 'forward',
+               'workers', 'threads', 'recording', 'roundtrips']
 
 
 def load(paths, session=None):
@@ -143,7 +145,8 @@ class Report:
                 q = by.get((tname,), [])
                 if not q:
                     continue
-                fl = group([r for r in tp if r['harness'] == harness and r['call'] == call.replace('governed', 'plain')],
+                plain = call.replace('governed', 'plain')
+                fl = group([r for r in tp if r['harness'] == harness and r['call'] == plain],
                            'target').get((floor,), [])
                 one = [r.get('p50_ms') for r in lat if r['harness'] == harness and r['call'] == call
                        and r['target'] == tname]
@@ -223,10 +226,11 @@ class Report:
         targets = order_targets(r['target'] for r in rows)
         calls = list(dict.fromkeys(r['call'] for r in rows))
         by = group(rows, 'call', 'target')
-        for field, label, digits in (('rps', 'calls/s', None), ('calls_per_gw_cpu_s', 'calls per gateway CPU-second', None),
+        for field, label, digits in (('rps', 'calls/s', None),
+                                     ('calls_per_gw_cpu_s', 'calls per gateway CPU-second', None),
                                      ('gw_cpu_us_per_call', 'gateway CPU µs per call', None),
-                                     ('gw_cores', 'gateway CPU cores used (of the gateway CPUs; what is missing went to '
-                                                  'other users of the machine)', 2),
+                                     ('gw_cores', 'gateway CPU cores used (of the gateway CPUs; what is missing went '
+                                                  'to other users of the machine)', 2),
                                      ('p50_ms', 'p50 ms', 2), ('p99_ms', 'p99 ms', 2)):
             out = []
             for c in calls:
@@ -389,8 +393,8 @@ class Report:
                'CPU, not a thread waiting on the database) on each target\'s busiest worker during one lookup run '
                'at 32 callers. Self samples: each sample counts for the innermost frame. Single runs.\n')
         for r in rows:
-            self.w(f"**{LABEL.get(r['target'], r['target'])}** ({r.get('samples')} samples, {num(r.get('rps'))} calls/s "
-                   'while profiled)\n')
+            self.w(f"**{LABEL.get(r['target'], r['target'])}** ({r.get('samples')} samples, "
+                   f"{num(r.get('rps'))} calls/s while profiled)\n")
             mods = r.get('by_module') or []
             funcs = r.get('by_function') or []
             n = max(len(mods[:10]), len(funcs[:12]))
@@ -571,7 +575,8 @@ class Report:
             self.openloop(b('openloop'), harness)
             self.forward(b('forward'))
             self.scaling(b('workers'), 'workers', 'Workers (one per gateway CPU, pinned)',
-                         'The lookup at 64 callers with 1..N workers. Cells: calls/s; calls per gateway CPU-second; p99.')
+                         'The lookup at 64 callers with 1..N workers. '
+                         'Cells: calls/s; calls per gateway CPU-second; p99.')
             self.scaling(b('threads'), 'threads', 'Threads per worker',
                          'One worker, the lookup at 32 callers. Cells: calls/s; calls per gateway CPU-second; p99.')
             self.recording(b('recording'))
@@ -583,7 +588,8 @@ class Report:
             self.w(table(['block', 'target', 'call', 'status codes', 'errors'],
                          [[r['block'], r['target'], r['call'], r.get('codes'), r.get('error_kinds')] for r in bad]))
         else:
-            self.w(f'Every completed call of every run returned 2xx ({sum(r.get("n", 0) for r in self.rows if r["block"] != "dbonly"):,} calls). '
+            calls = sum(r.get("n", 0) for r in self.rows if r["block"] != "dbonly")
+            self.w(f'Every completed call of every run returned 2xx ({calls:,} calls). '
                    'Calls still in flight when a run\'s time was up are counted neither way.\n')
         return '\n'.join(self.md)
 
@@ -607,8 +613,12 @@ def main():
     outdir = opts.out or os.path.dirname(os.path.abspath(opts.results[0]))
     os.makedirs(outdir, exist_ok=True)
     rep = Report(rows, outdir)
-    rep.left_out = [f'{e} ({sum(1 for r in left_out if (r["session"], r["block"]) == tuple(e.split(":", 1)) or (r["session"], r.get("around")) == tuple(e.split(":", 1)))} runs)'
-                    for e in opts.exclude]
+
+    def runs_left_out(e):
+        which = tuple(e.split(":", 1))
+        return sum(1 for r in left_out
+                   if (r["session"], r["block"]) == which or (r["session"], r.get("around")) == which)
+    rep.left_out = [f'{e} ({runs_left_out(e)} runs)' for e in opts.exclude]
     md = rep.build()
     path = os.path.join(outdir, 'results.md')
     with open(path, 'w') as f:

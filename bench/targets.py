@@ -10,7 +10,6 @@ import tempfile
 import time
 
 import requests
-
 from harness import BENCH_DIR, free_port, progress, stop_process, taskset_prefix, tree_ticks, wait_http
 
 PEER_VERSION = '0.43.0'
@@ -95,7 +94,7 @@ class Target:
         except Exception:
             tail = self.log_tail()
             self.stop()
-            raise RuntimeError(f'{self.name} failed to start: {" ".join(cmd)}\n{tail}')
+            raise RuntimeError(f'{self.name} failed to start: {" ".join(cmd)}\n{tail}') from None
         # gunicorn forks workers after the arbiter answers nothing itself; give each worker a moment.
         time.sleep(0.3 * workers)
         if not self.is_setup:

@@ -173,13 +173,15 @@ def workload(warehouses):
                 f'ol.ol_supply_w_id, ol.ol_quantity, ol.ol_amount, ol.ol_delivery_d '
                 f'FROM {crm}.customer c '
                 f'JOIN {orders}.orders o ON o.o_w_id = c.c_w_id AND o.o_d_id = c.c_d_id AND o.o_c_id = c.c_id '
-                f'JOIN {orders}.order_line ol ON ol.ol_w_id = o.o_w_id AND ol.ol_d_id = o.o_d_id AND ol.ol_o_id = o.o_id '
+                f'JOIN {orders}.order_line ol '
+                f'ON ol.ol_w_id = o.o_w_id AND ol.ol_d_id = o.o_d_id AND ol.ol_o_id = o.o_id '
                 f'WHERE c.c_w_id = :w AND c.c_d_id = :d AND c.c_id = :c '
                 f'AND o.o_id = (SELECT MAX(o2.o_id) FROM {orders}.orders o2 '
                 f'WHERE o2.o_w_id = :w AND o2.o_d_id = :d AND o2.o_c_id = :c) ORDER BY ol.ol_number',
          'parameters': ids},
         {'name': 'stock_level', 'connection_name': 'shop', 'publish': True,
-         'description': 'TPC-C Stock-Level: distinct items under a threshold in the last 20 orders (org, orders, inventory)',
+         'description': 'TPC-C Stock-Level: distinct items under a threshold in the last 20 orders '
+                        '(org, orders, inventory)',
          'sql': f'SELECT COUNT(DISTINCT s.s_i_id) AS low_stock FROM {org}.district d '
                 f'JOIN {orders}.order_line ol ON ol.ol_w_id = d.d_w_id AND ol.ol_d_id = d.d_id '
                 f'AND ol.ol_o_id >= d.d_next_o_id - 20 AND ol.ol_o_id < d.d_next_o_id '

@@ -69,15 +69,15 @@ import sqlite3
 import struct
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 from qag import formats
 from qag.errors import ConnectorError, DriverMissing, QueryFailed, Timeout, Unreachable
 
 try:
     import psycopg2
-    import psycopg2.extensions
     import psycopg2.errorcodes
+    import psycopg2.extensions
 except ImportError:  # pragma: no cover
     psycopg2 = None  # type: ignore[assignment]
 
@@ -870,7 +870,8 @@ class MySQLConnector(Connector):
     def introspect(self):
         cols, rows, _ = self.run(
             "SELECT table_schema, table_name, column_name FROM information_schema.columns "
-            "WHERE table_schema NOT IN ('performance_schema', 'sys') ORDER BY table_schema, table_name, ordinal_position",
+            "WHERE table_schema NOT IN ('performance_schema', 'sys') "
+            "ORDER BY table_schema, table_name, ordinal_position",
             (), write=False, timeout=None, max_rows=None)
         out: dict[tuple[str, str], list[str]] = {}
         for s, t, c in rows:

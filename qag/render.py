@@ -40,9 +40,9 @@ def _safe(v):
 # short ("00:00:00.10000" for .010000). tests/unit/test_core_render.py compares both paths over
 # a corpus and a hypothesis property. So a result takes it only when no value is a container or a type orjson
 # serialises natively its own way (Enum), no float is below 1e-4 in magnitude, and datetimes and times are handed to
-# _orjson_default (isoformat) unless no column can hold an aware datetime or a time. Every other value goes to _orjson_default,
-# which returns exactly the standard library's text. Any error falls back to the standard path, which then
-# behaves as it always did (NaN -> null retry, the same exceptions).
+# _orjson_default (isoformat) unless no column can hold an aware datetime or a time. Every other value goes to
+# _orjson_default, which returns exactly the standard library's text. Any error falls back to the standard path,
+# which then behaves as it always did (NaN -> null retry, the same exceptions).
 _FAST_VALUES = frozenset((str, int, bool, float, type(None), decimal.Decimal, _dt.datetime, _dt.date, _dt.time,
                           _dt.timedelta, bytes, bytearray, memoryview, uuid.UUID))
 # Neutral column types (qag/formats.py) whose driver values are always among _FAST_VALUES and never a float:

@@ -200,8 +200,8 @@ def main(argv=None) -> int:
         setproctitle("qag: changes")
     except ImportError:
         pass
-    from qag import logs
     import shm
+    from qag import logs
     cfg = config.load()
     logs.setup("changes", cfg.log_format, "INFO", text_format="%(asctime)s qag: changes %(levelname)s %(message)s")
     seg = shm.Segment.attach(args.segment)

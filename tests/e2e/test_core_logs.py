@@ -80,7 +80,8 @@ def test_json_logs_one_object_per_line_from_every_process(server_factory, tmp_pa
     post = lambda p, b: requests.post(srv.base + p, json=b, headers=srv.admin, timeout=10)  # noqa: E731
     assert post("/api/v1/connections", {"name": "d", "db": "sqlite", "database": data}).status_code == 201
     assert post("/api/v1/queries", {"name": "boom", "connection_name": "d", "publish": True,
-                                    "sql": "SELECT json(:doc) AS x FROM t", "parameters": {"doc": "str"}}).status_code == 201
+                                    "sql": "SELECT json(:doc) AS x FROM t",
+                                    "parameters": {"doc": "str"}}).status_code == 201
     assert post("/api/v1/queries", {"name": "secrets", "connection_name": "d", "publish": True,
                                     "sql": "SELECT secret FROM t"}).status_code == 201
     key = post("/api/v1/api-keys", {"name": "scoped", "queries": ["*"], "allowed_tables": ["other"]}).json()["secret"]

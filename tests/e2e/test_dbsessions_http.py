@@ -8,7 +8,7 @@ import json
 import pytest
 import requests
 
-from tests.conftest import free_port, pg_exec, pg_fresh_db, start_server
+from tests.conftest import pg_exec, pg_fresh_db, start_server
 
 J = {"Content-Type": "application/json"}
 

@@ -36,7 +36,8 @@ def sqlite_db(tmp_path):
 def test_connection_crud_and_password_never_shown(app_client, sqlite_db):
     c = app_client
     r = post(c, "/api/v1/connections", {"name": "pg1", "db": "postgres", "host": "127.0.0.1", "port": 5432,
-                                        "user": "postgres", "password": "s3cret!", "database": "x", "active": False}, 201)
+                                        "user": "postgres", "password": "s3cret!", "database": "x", "active": False},
+             201)
     assert r.json["password"] == "********" and "s3cret" not in r.text
     assert post(c, "/api/v1/connections", {"name": "pg1", "db": "postgres"}).json["code"] == "connection_exists"
     for body, code in (({"name": "x y", "db": "postgres"}, "invalid_name"),

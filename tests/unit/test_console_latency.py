@@ -10,7 +10,8 @@ def test_nearest_rank_percentiles():
 
 
 def test_runs_grouped_by_minute_oldest_first_and_odd_rows_skipped():
-    runs = [{"at": "2026-12-02T01:02:59.999Z", "duration_ms": 3.0}, {"at": "2026-12-02T01:01:00.000Z", "duration_ms": 1.0},
+    runs = [{"at": "2026-12-02T01:02:59.999Z", "duration_ms": 3.0},
+            {"at": "2026-12-02T01:01:00.000Z", "duration_ms": 1.0},
             {"at": "2026-12-02T01:02:00.000Z", "duration_ms": 9.0}, {"at": None, "duration_ms": 5.0},
             {"at": "2026-12-02T01:02:01.000Z", "duration_ms": None}]
     assert _per_minute(runs) == [("2026-12-02T01:01", {"p50": 1.0, "p99": 1.0, "calls": 1}),
