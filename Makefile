@@ -15,8 +15,8 @@ venv:
 OHA_VERSION := 1.16.0
 
 # Everything slow to build comes first, once, with its progress shown (plane, oha): no build runs under a test's
-# timeout. Then pytest, the plane's own tests and the benchmark smoke.
-test: venv browser promtool plane oha
+# timeout. Then the lint, pytest, the plane's own tests and the benchmark smoke.
+test: venv browser promtool plane oha lint
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest tests/ -q -p no:cacheprovider
 	cd rustplane && cargo test --release --locked -q
 	$(MAKE) bench-smoke
