@@ -796,7 +796,10 @@ def public_connection(row: dict, _audit: bool = False) -> dict:
 
 
 GRANT_FIELDS = ("queries", "connections", "allowed_tables", "mask", "allow_writes", "allowed_write_ops",
-                "allowed_ips", "rate_limit", "quota")
+                "allowed_ips", "rate_limit", "quota", "max_rows", "query_timeout", "max_concurrent")
+# A caller's own limits (issue 18 part 5, as QueryAPIGate's): each narrows the server's, null is none. They are
+# checked by qag/http/data.py and qag/capacity.py; a key carrying one is served by Python only (qag/auth.py).
+CALLER_LIMIT_FIELDS = ("max_rows", "query_timeout", "max_concurrent")
 
 
 def public_key(row: dict) -> dict:

@@ -5,6 +5,7 @@ then answers: so no worker serves a revoked key or an old version once the call 
 """
 from __future__ import annotations
 
+import math
 import re
 import time
 
@@ -16,7 +17,7 @@ from qag import timeutil
 from qag.errors import ApiError, DomainError, Unreachable
 from qag.http import errors as http_errors
 from qag.http.common import ok, read_json, require_admin
-from qag.store import GRANT_FIELDS, public_connection, public_key
+from qag.store import CALLER_LIMIT_FIELDS, GRANT_FIELDS, public_connection, public_key
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
 DBS = ("postgres", "mysql", "sqlite", "clickhouse")
@@ -568,7 +569,28 @@ def validate_grants(body: dict) -> dict:
                 except ValueError as exc:
                     raise ApiError(400, "invalid_body", f"{exc}.", {"field": field}) from None
             g[field] = value
+    for field in CALLER_LIMIT_FIELDS:
+        if field in body:
+            g[field] = caller_limit(field, body[field])
     return g
+
+
+def caller_limit(field: str, value):
+    """A key's or role's own max_rows, max_concurrent (positive integers) or query_timeout (a number of seconds,
+    at least connectors.MIN_TIMEOUT); None is no limit of its own. Anything else: 400 invalid_body naming it."""
+    if value is None:
+        return None
+    if field == "query_timeout":
+        from qag.connectors import MIN_TIMEOUT
+        if (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                and value >= MIN_TIMEOUT):
+            return value
+        raise ApiError(400, "invalid_body", f"query_timeout must be a number of seconds, at least {MIN_TIMEOUT:g}, "
+                       "or null for the server's.", {"field": field})
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value < 2 ** 63:
+        return value
+    raise ApiError(400, "invalid_body", f"{field} must be a positive integer, or null for no limit.",
+                   {"field": field})
 
 
 def _expires(body):

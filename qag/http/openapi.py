@@ -17,6 +17,7 @@ from qag.errors import ApiError
 from qag.http import manage as M
 from qag.http.common import client_addr
 from qag.http.roles import ROLE_FIELDS
+from qag.store import GRANT_FIELDS
 
 NAME = {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$"}
 TS = {"type": ["string", "null"], "format": "date-time"}
@@ -48,6 +49,12 @@ FIELD_SCHEMAS = {
     "allowed_write_ops": STR_LIST, "allowed_ips": STR_LIST,
     "rate_limit": {"type": ["string", "null"], "examples": ["60/minute"]},
     "quota": {"type": ["string", "object", "null"], "examples": ["10000/day"]},
+    "max_rows": {"type": ["integer", "null"], "minimum": 1,
+                 "description": "the most rows one call returns: a larger page_size is lowered to it, a stream stops"},
+    "query_timeout": {"type": ["number", "null"], "minimum": 0.01,
+                      "description": "seconds; narrows the server's QAG_QUERY_TIMEOUT and any ?timeout="},
+    "max_concurrent": {"type": ["integer", "null"], "minimum": 1,
+                       "description": "calls in flight at once across every worker of the host"},
     "version": {"type": "integer", "minimum": 1}, "grace_minutes": {"type": ["number", "null"], "minimum": 0},
     "role": {"type": ["string", "null"], "description": "create the key from this role's grants"},
     "require_claims": {"type": "boolean"},
@@ -68,7 +75,8 @@ def _list_of(ref: str) -> dict:
 ERROR = {"type": "object", "required": ["error", "code", "request_id"], "additionalProperties": True,
          "properties": {"error": {"type": "string"}, "code": {"type": "string"}, "request_id": {"type": "string"},
                         "errors": {"type": "object", "additionalProperties": {"type": "string"}},
-                        "retry_after": {"type": "number"}, "timeout": {"type": "number"}}}
+                        "retry_after": {"type": "number"}, "timeout": {"type": "number"},
+                        "max_concurrent": {"type": "integer"}}}
 CONNECTION = {"type": "object", "properties": {
     "name": NAME, "db": FIELD_SCHEMAS["db"], "host": {"type": ["string", "null"]},
     "port": {"type": ["integer", "null"]}, "user": {"type": ["string", "null"]},
@@ -85,8 +93,7 @@ VERSION = {"type": "object", "properties": {
 KEY = {"type": "object", "properties": {
     "name": NAME, "prefix": {"type": "string"}, "active": {"type": "boolean"}, "expires_at": TS,
     "description": {"type": ["string", "null"]}, "secret": {"type": "string", "description": "only in the 201"},
-    **{f: FIELD_SCHEMAS[f] for f in ("queries", "connections", "allowed_tables", "mask", "allow_writes",
-                                     "allowed_write_ops", "allowed_ips", "rate_limit", "quota")},
+    **{f: FIELD_SCHEMAS[f] for f in GRANT_FIELDS},
     "created_at": TS, "updated_at": TS}}
 RUN = {"type": "object", "properties": {
     "event_id": {"type": "integer"}, "at": TS, "query": {"type": ["string", "null"]},
@@ -160,7 +167,8 @@ def _call_options() -> list[dict]:
 
 DATA_ERRORS = {"400": _err("Bad parameters or call options"), "401": _err("No or bad key"),
                "403": _err("Refused by governance"), "404": _err("Unknown query or version"),
-               "429": _err("Rate limit or quota"), "500": _err("The database rejected the statement"),
+               "429": _err("Rate limit, quota or the key's max_concurrent"),
+               "500": _err("The database rejected the statement"),
                "502": _err("The database is unreachable"), "503": _err("Too many streams"),
                "504": _err("Over the time limit")}
 

@@ -579,6 +579,13 @@ class Keys(Console):
             for k in ("expires_at", "rate_limit", "quota", "description"):
                 if f.get(k, "").strip():
                     body[k] = f[k].strip()
+            for k in ("max_rows", "query_timeout", "max_concurrent"):  # numbers; a bad one: the API's 400 names it
+                if f.get(k, "").strip():
+                    text = f[k].strip()
+                    try:
+                        body[k] = float(text) if k == "query_timeout" else int(text)
+                    except ValueError:
+                        body[k] = text
             st, out, _ = self.api(s, "POST", "/api/v1/api-keys", body)
             if st == 201:
                 _, lst, _ = self.api(s, "GET", "/api/v1/api-keys", query={"limit": 1000})
