@@ -18,7 +18,7 @@ from qag import timeutil
 from qag.errors import ApiError
 from qag.limits import Limiter, period_bounds
 from qag.runtime import CachedAdminToken, CachedKey
-from qag.store import hash_secret
+from qag.store import CALLER_LIMIT_FIELDS, hash_secret
 
 UNAUTHORIZED = "Give a valid, active API key in the X-API-Key header."
 
@@ -94,7 +94,7 @@ class Auth:
             if row is None:
                 raise ApiError(401, "unauthorized", UNAUTHORIZED)
             rt.keys[h] = CachedKey(row["name"], gen, row, via_prev)
-            if rt.publisher is not None:
+            if rt.publisher is not None and not python_only(row["grants"]):
                 rt.publisher.key(h, row, via_prev, gen)
         return self._check_key(row, via_prev, client_ip, gen)
 
@@ -196,6 +196,13 @@ class Auth:
 
 
 _UNSET = object()
+
+
+def python_only(grants: dict) -> bool:
+    """A key with a limit of its own (max_rows, query_timeout, max_concurrent) is served by Python only: its key
+    entry is not published, so the data plane finds none and forwards its calls (rustplane: "no current key
+    entry"), and no limit is left to a process that does not count it."""
+    return any(grants.get(f) is not None for f in CALLER_LIMIT_FIELDS)
 
 
 def _ts(text: str | None) -> float | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 
 from qag.errors import ApiError
+from shm.fence import fence
 
 RETRY_AFTER_S = 1
 
@@ -102,3 +103,69 @@ class InFlight:
                 self.calls[name] = n
             else:
                 self.calls.pop(name, None)
+
+
+class CallerCalls:
+    """A caller's `max_concurrent` (a key's or a role's grant): its calls in flight at once across every worker of
+    the host, from authentication until the answer's last byte (a stream holds its place while it streams).
+
+    Each worker publishes its own count per caller in its slot's gauge cell `qag_caller_calls_in_flight` (one
+    writer per cell, shm/LAYOUT.md N1); the host's count is the sum over slots. A worker that dies holding calls
+    frees them when the arbiter restarts a worker into its slot: claiming a slot zeroes its gauges (M1).
+    A call is admitted by publishing first and summing after, so two workers deciding at once may both refuse
+    one, but the sum never passes the limit. Over it: 429 `too_many_concurrent` with Retry-After."""
+
+    NAME = "qag_caller_calls_in_flight"
+
+    def __init__(self, segment=None, slot: int = 0):
+        self.segment = segment if segment is not None and hasattr(segment, "gauge_cells") else None
+        self.slot = slot
+        self.lock = threading.Lock()
+        self.mine: dict[str, int] = {}
+
+    def acquire(self, caller: str, limit: int) -> None:
+        with self.lock:
+            n = self.mine.get(caller, 0) + 1
+            seg = self.segment
+            if seg is None:
+                total = n
+            else:
+                labels = (("key", caller),)
+                seg.gauge_set(self.slot, self.NAME, labels, n)
+                _store_load_barrier()
+                total = sum(seg.gauge_cells(self.NAME, labels))
+            if total > limit:
+                if seg is not None:
+                    seg.gauge_set(self.slot, self.NAME, labels, n - 1)
+                raise ApiError(429, "too_many_concurrent", f"This caller already has {limit} calls in flight, its "
+                               f"max_concurrent; retry when one finishes, in {RETRY_AFTER_S} s.",
+                               {"retry_after": RETRY_AFTER_S, "max_concurrent": limit},
+                               {"Retry-After": str(RETRY_AFTER_S)})
+            self.mine[caller] = n
+
+    def release(self, caller: str) -> None:
+        with self.lock:
+            n = self.mine.get(caller, 0) - 1
+            if n > 0:
+                self.mine[caller] = n
+            else:
+                self.mine.pop(caller, None)
+                n = 0
+            if self.segment is not None:
+                self.segment.gauge_set(self.slot, self.NAME, (("key", caller),), n)
+
+    def held(self, caller: str) -> int:
+        with self.lock:
+            return self.mine.get(caller, 0)
+
+
+_BARRIER = threading.Lock()
+
+
+def _store_load_barrier() -> None:
+    """Our cell's store must be visible before the other slots' cells are loaded: the one reordering x86-64 (TSO)
+    allows, so shm.fence (store->store, load->load) is not enough. A lock's acquire is a locked read-modify-write,
+    a full barrier on x86-64 (Intel SDM 8.2.2); elsewhere shm.fence's semaphore post/wait is one (POSIX 4.12)."""
+    _BARRIER.acquire()
+    _BARRIER.release()
+    fence()

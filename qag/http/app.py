@@ -100,11 +100,12 @@ class QagApp:
         self.segment = segment
         self.run_store_url: str | None = None  # set by the worker; opened on first use by common.run_store
         self.opened_run_store = None
-        from qag.capacity import InFlight, OpenCount
+        from qag.capacity import CallerCalls, InFlight, OpenCount
         slot = getattr(runtime, "slot", 0)
         self.streams = OpenCount("stream", cfg.key_streams, cfg.max_streams, segment, slot)
         self.subscribers = OpenCount("subscriber", cfg.key_subscribers, cfg.max_subscribers, segment, slot)
         self.connection_calls = InFlight(cfg.connection_calls)
+        self.caller_calls = CallerCalls(segment, slot)  # keys' and roles' max_concurrent
         self.behind_plane = bool(getattr(cfg, "public_bind", None)) and str(cfg.bind).startswith("unix:")
         middleware: list = [RequestIdMiddleware(self)]
         if getattr(cfg, "cors_origins", ()):

@@ -17,7 +17,7 @@ from typing import Any
 
 import falcon
 
-from qag import formats
+from qag import connectors, formats
 from qag import params as P
 from qag.errors import ApiError, DomainError
 from qag.http import errors as http_errors
@@ -66,7 +66,7 @@ class DataResource:
     def serve(self, req, resp, name: str, given: dict, body_params: dict | None) -> None:
         c = Call(self, req, resp, name)
         try:
-            authenticate(c, given)   # the caller, its rate limits and quotas, the call's options
+            authenticate(c, given)   # the caller, its rate limits, quotas and own limits, the call's options
             plan(c)                  # the governed plan of (caller, query, version, connection), cached
             bind(c, body_params)     # the values checked against the parameters' specs: the driver's arguments
             if c.opts.stream:        # the whole result in bounded memory: execute → govern → render → record
@@ -81,6 +81,9 @@ class DataResource:
             if err is None:
                 raise
             raise err from None
+        finally:
+            if c.held is not None:   # its place in the caller's max_concurrent (a stream gives it back itself)
+                c.app.caller_calls.release(c.held)
 
 
 class Call:
@@ -88,7 +91,7 @@ class Call:
 
     __slots__ = ("app", "rt", "cache", "req", "resp", "name", "t0", "run", "principal", "limits", "opts", "t_auth",
                  "plan", "connector", "plan_hit", "t_plan", "args", "t_bind", "cache_key", "cols", "rows", "count",
-                 "t_exec", "query_seconds", "t_gov", "body", "nrows", "t_render", "status")
+                 "t_exec", "query_seconds", "t_gov", "body", "nrows", "t_render", "status", "held", "row_limit")
 
     def __init__(self, resource: DataResource, req, resp, name: str):
         self.app = resource.app
@@ -99,6 +102,7 @@ class Call:
         self.run: dict[str, Any] = {"at_us": time.time_ns() // 1000, "query": name, "version": None,
                                     "key_name": None, "connection": None, "rows": 0, "bytes": 0, "transport": "http"}
         self.principal = self.limits = self.plan_hit = self.cache_key = self.query_seconds = None
+        self.held = self.row_limit = None
 
 
 # -- the stages, in order --------------------------------------------------------------------------------------
@@ -121,7 +125,33 @@ def authenticate(c: Call, given: dict) -> None:
         for hk, hv in limits.headers.items():
             c.resp.set_header(hk, hv)
     c.opts = call_options(given, c.app.cfg)
+    if principal.key is not None:
+        g = principal.key["grants"]
+        if g.get("max_rows") or g.get("query_timeout") or g.get("max_concurrent"):
+            caller_limits(c, g)
     c.t_auth = time.perf_counter()
+
+
+def caller_limits(c: Call, g: dict) -> None:
+    """A key's or role's own limits, each narrowing the server's (issue 18, as QueryAPIGate's): `max_rows` lowers
+    the page size to it (X-Page-Size says the size used) and stops a stream after it (X-Row-Limit);
+    `query_timeout` narrows QAG_QUERY_TIMEOUT and ?timeout= (connectors S3); `max_concurrent` takes a place among
+    the caller's calls in flight on the host (qag/capacity.py: 429 too_many_concurrent), given back by serve()."""
+    opts, cfg = c.opts, c.app.cfg
+    max_rows = g.get("max_rows")
+    if max_rows:
+        c.row_limit = max_rows
+        if opts.page_size > max_rows:
+            opts.page_size = max_rows
+    own = g.get("query_timeout")
+    if own:
+        asked = own if opts.timeout is None else min(opts.timeout, own)
+        opts.timeout = connectors.limit_ms(asked, cfg.query_timeout) / 1000
+    most = g.get("max_concurrent")
+    if most:
+        caller = c.principal.caller
+        c.app.caller_calls.acquire(caller, most)
+        c.held = caller
 
 
 def plan(c: Call) -> None:
@@ -204,6 +234,8 @@ def render(c: Call) -> None:
             resp.set_header("X-Page-Size", str(opts.page_size))
             resp.set_header("X-Row-Count", str(nrows))
             resp.set_header("X-Has-More", "true" if has_more else "false")
+            if c.row_limit is not None:
+                resp.set_header("X-Row-Limit", str(c.row_limit))
     c.t_render = t_render = time.perf_counter()
     resp.content_type = FORMATS[opts.format]
     status = 200
@@ -412,9 +444,16 @@ def stream(c: Call) -> None:
         app.streams.release(holder)
         raise
     counted = {"rows": 0, "bytes": 0}
+    cap = c.row_limit
+    held, c.held = c.held, None  # from here the stream gives back its place in max_concurrent when it ends
 
     def count_rows(src):
         for b in src:
+            if cap is not None and counted["rows"] + len(b) >= cap:
+                b = b[:cap - counted["rows"]]  # the caller's max_rows: the stream ends here (X-Row-Limit)
+                counted["rows"] += len(b)
+                yield b
+                return
             counted["rows"] += len(b)
             yield b
 
@@ -431,8 +470,12 @@ def stream(c: Call) -> None:
                 close()  # the cursor's generator: rollback and release the session now, not at GC
             app.connection_calls.release(plan.connection)
             app.streams.release(holder)
+            if held is not None:
+                app.caller_calls.release(held)
             run["rows"], run["bytes"], run["transport"] = counted["rows"], counted["bytes"], "stream"
             finish(app, req, run, 200 if ok else 500, None if ok else "stream_aborted", t0, None, None)
     resp.content_type = FORMATS[opts.format]
     resp.set_header("Content-Disposition", formats.disposition(plan.query, opts.format))
+    if cap is not None:
+        resp.set_header("X-Row-Limit", str(cap))
     resp.stream = body()
