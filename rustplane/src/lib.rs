@@ -28,7 +28,8 @@
 //!   [`render`] (JSON, NDJSON, CSV), [`pyfmt`] (Python's text forms);
 //! - `pg` and `mysql` (sessions and value decoding per database), `pool` (per-thread session pools and the
 //!   lease of a session), `limits` (statement limits, client-side deadlines, keepalives);
-//! - [`segment`] (the shared segment's layout), [`msgpack`], [`sys`] (every `unsafe`).
+//! - [`segment`] (the shared segment's layout), [`msgpack`], [`sys`] (every `unsafe`), [`log`] (log lines,
+//!   text or JSON as QAG_LOG_FORMAT says).
 //!
 //! Public (`pub mod`) are the modules `main.rs` and the tests in `tests/` use, and those whose types the
 //! public ones carry; the rest is the crate's own.
@@ -36,6 +37,7 @@
 pub mod entries;
 mod error;
 mod limits;
+pub mod log;
 pub mod mask;
 pub mod msgpack;
 mod mysql;

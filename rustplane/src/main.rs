@@ -6,6 +6,7 @@
 //! (requests bearing it are always forwarded); QAG_RECORD_WAIT_MS (default 50); QAG_PLANE_NICE (the
 //! threads' nice value, default unchanged).
 
+use qag_plane::plog;
 use qag_plane::segment::Segment;
 use qag_plane::server::{run_thread, Shared, Upstream, DRAINING, INFLIGHT};
 use qag_plane::sys;
@@ -89,18 +90,18 @@ fn main() -> ExitCode {
     let seg = match Segment::attach(&args.segment) {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("qag-plane: {e}");
+            plog!("error", "{e}");
             return ExitCode::from(3);
         }
     };
     if args.slot >= seg.g.slots as usize {
-        eprintln!("qag-plane: slot {} out of range 0..{}", args.slot, seg.g.slots - 1);
+        plog!("error", "slot {} out of range 0..{}", args.slot, seg.g.slots - 1);
         return ExitCode::from(2);
     }
     let mask = match mask_key() {
         Ok(k) => k,
         Err(e) => {
-            eprintln!("qag-plane: {e}");
+            plog!("error", "{e}");
             return ExitCode::from(2);
         }
     };
@@ -108,8 +109,9 @@ fn main() -> ExitCode {
     let wait_ms = std::env::var("QAG_RECORD_WAIT_MS").ok().and_then(|v| v.parse().ok()).unwrap_or(50);
     let admin = std::env::var("QAG_ADMIN_KEY").ok().filter(|k| !k.is_empty());
     let shared = Arc::new(Shared::new(seg, args.slot, Upstream::parse(&args.upstream), args.home.clone(), mask, admin, wait_ms));
-    eprintln!(
-        "qag-plane: listening on {} ({} threads{}), forwarding to {}, segment {} slot {}",
+    plog!(
+        "info",
+        "listening on {} ({} threads{}), forwarding to {}, segment {} slot {}",
         args.listen,
         args.threads,
         if args.pin.is_empty() { String::new() } else { format!(", pinned to CPUs {:?}", args.pin) },
@@ -129,23 +131,23 @@ fn main() -> ExitCode {
         let h = std::thread::Builder::new().name(format!("qag-plane-{i}")).spawn(move || {
             if let Some(c) = cpu {
                 if !sys::pin_thread(c) {
-                    eprintln!("qag-plane: could not pin thread {i} to CPU {c}");
+                    plog!("warning", "could not pin thread {i} to CPU {c}");
                 }
             }
             if let Some(n) = nice {
                 if !sys::set_thread_nice(n) {
-                    eprintln!("qag-plane: could not set thread {i}'s nice value to {n}");
+                    plog!("warning", "could not set thread {i}'s nice value to {n}");
                 }
             }
             if let Err(e) = run_thread(sh, listen) {
-                eprintln!("qag-plane: thread {i}: {e}");
+                plog!("error", "thread {i}: {e}");
                 std::process::exit(4);
             }
         });
         match h {
             Ok(h) => handles.push(h),
             Err(e) => {
-                eprintln!("qag-plane: cannot start thread {i}: {e}");
+                plog!("error", "cannot start thread {i}: {e}");
                 return ExitCode::from(4);
             }
         }
@@ -165,6 +167,6 @@ fn main() -> ExitCode {
             std::thread::sleep(Duration::from_millis(5));
         }
     }
-    eprintln!("qag-plane: stopped ({} calls still in flight)", INFLIGHT.load(Ordering::SeqCst));
+    plog!("info", "stopped ({} calls still in flight)", INFLIGHT.load(Ordering::SeqCst));
     ExitCode::SUCCESS
 }

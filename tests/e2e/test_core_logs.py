@@ -116,3 +116,17 @@ def test_a_bad_log_format_is_refused_in_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "qag.cli", "serve"], env=env, cwd=ROOT, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode != 0 and "QAG_LOG_FORMAT" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_json_logs_from_the_plane_too(server_factory, plane):
+    """The plane's lines follow QAG_LOG_FORMAT as every other process's do."""
+    import json
+    srv = server_factory({"QAG_LOG_FORMAT": "json", "QAG_LOG_LEVEL": "info"},
+                         args=("--workers", "1", "--plane", "--plane-threads", "1"))
+    assert requests.get(srv.base + "/health", timeout=10).status_code == 200
+    srv.stop()
+    objs = [json.loads(line) for line in srv.log().splitlines() if line.strip()]
+    plane_lines = [o for o in objs if o["process"] == "plane"]
+    assert any(o["msg"].startswith("listening on ") for o in plane_lines), objs
+    assert all(o["logger"] == "qag.plane" and o["level"] in ("info", "warning", "error") for o in plane_lines)
+    assert {"arbiter", "worker:0", "recorder", "plane"} <= {o["process"] for o in objs}

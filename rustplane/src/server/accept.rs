@@ -52,7 +52,7 @@ async fn route(sh: Arc<Shared>, req: Request<Incoming>, peer: Option<IpAddr>) ->
             Decision::Answer(r) => return Ok(r),
             Decision::Forward(why) => {
                 if sh.debug {
-                    eprintln!("qag-plane: forwarding {}: {why}", req.uri());
+                    crate::plog!("info", "forwarding {}: {why}", req.uri());
                 }
             }
         }
@@ -103,7 +103,7 @@ pub fn run_thread(sh: Arc<Shared>, listen: SocketAddr) -> std::io::Result<()> {
             match accepted {
                 Ok((stream, addr)) => spawn_connection(&sh, stream, addr, &open, drain_rx.clone()),
                 Err(e) => {
-                    eprintln!("qag-plane: accept: {e}");
+                    crate::plog!("error", "accept: {e}");
                     tokio::time::sleep(Duration::from_millis(10)).await;
                 }
             }

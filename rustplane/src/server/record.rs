@@ -44,7 +44,7 @@ impl Shared {
         let c = match self.seg.series_cell(kind, name, labels) {
             Ok(c) => Some(c),
             Err(e) => {
-                eprintln!("qag-plane: metric {name} not counted: {e}");
+                crate::plog!("warning", "metric {name} not counted: {e}");
                 None
             }
         };
