@@ -198,11 +198,15 @@ class Auth:
 _UNSET = object()
 
 
+PYTHON_ONLY_GRANTS = ("quota",) + CALLER_LIMIT_FIELDS
+
+
 def python_only(grants: dict) -> bool:
-    """A key with a limit of its own (max_rows, query_timeout, max_concurrent) is served by Python only: its key
-    entry is not published, so the data plane finds none and forwards its calls (rustplane: "no current key
-    entry"), and no limit is left to a process that does not count it."""
-    return any(grants.get(f) is not None for f in CALLER_LIMIT_FIELDS)
+    """A key with a quota or a limit of its own (max_rows, query_timeout, max_concurrent) is served by Python only:
+    its key entry is not published, so the data plane finds none and forwards its calls (rustplane: "no current
+    key entry"), and no limit is left to a process that does not count it. (A rate-limited key's entry is
+    published: the plane forwards it by its `rate_limit` field.)"""
+    return any(grants.get(f) is not None for f in PYTHON_ONLY_GRANTS)
 
 
 def _ts(text: str | None) -> float | None:

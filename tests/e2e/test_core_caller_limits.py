@@ -366,3 +366,12 @@ def test_mcp_tool_results_keep_max_rows(srv):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_the_plane_forwards_a_quota_keys_calls(plane_srv):
+    """A quota is counted by Python's limiter only: the plane must not serve a key that has one (before, a key
+    with only a quota was served by the plane once warm, and its calls there were never counted)."""
+    srv = plane_srv
+    c = Caller(srv, "key", quota="4/day")
+    codes = [c.get("nums", base=srv.base).status_code for _ in range(8)]
+    assert codes == [200] * 4 + [429] * 4, codes
