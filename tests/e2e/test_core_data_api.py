@@ -8,7 +8,7 @@ import time
 import pytest
 import requests
 
-from tests.conftest import free_port, pg_exec, start_server
+from tests.conftest import pg_exec, start_server
 
 J = {"Content-Type": "application/json"}
 
@@ -231,10 +231,63 @@ def test_500_query_failed_hides_db_text_from_keys(srv, seeded):
     assert "division by zero" in b["error"]
 
 
+class TcpRelay:
+    """127.0.0.1:<port> relayed to PostgreSQL while it runs: a server that is there when the connection is
+    saved (an active connection is reached first) and gone when it is called."""
+
+    def __init__(self, target=("127.0.0.1", 5432)):
+        import socket
+        import threading
+        self.target, self.sock = target, socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.open, self.running = [], True
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        import socket
+        import threading
+        while self.running:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            u = socket.create_connection(self.target)
+            self.open += [c, u]
+            for a, b in ((c, u), (u, c)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a, b):
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def stop(self):
+        self.running = False
+        self.sock.close()
+        for s in self.open:
+            try:
+                s.close()
+            except OSError:
+                pass
+
+
 def test_502_connection_failed_fast_and_no_password(srv, seeded):
-    port = free_port()
-    post(srv, "/api/v1/connections", {"name": "dead", "db": "postgres", "host": "127.0.0.1", "port": port,
-                                      "user": "postgres", "password": "hunter2", "database": "x"})
+    relay = TcpRelay()
+    post(srv, "/api/v1/connections", {"name": "dead", "db": "postgres", "host": "127.0.0.1", "port": relay.port,
+                                      "user": "postgres", "password": "hunter2", "database": "qag_core_pgbench"})
+    relay.stop()  # the server goes away after the connection was saved
     post(srv, "/api/v1/queries", {"name": "deadq", "connection_name": "dead", "sql": "SELECT 1", "publish": True})
     secret = post(srv, "/api/v1/api-keys", {"name": "deadk", "queries": ["deadq"]}).json()["secret"]
     t0 = time.monotonic()
