@@ -16,3 +16,10 @@ def test_runs_grouped_by_minute_oldest_first_and_odd_rows_skipped():
             {"at": "2026-12-02T01:02:01.000Z", "duration_ms": None}]
     assert _per_minute(runs) == [("2026-12-02T01:01", {"p50": 1.0, "p99": 1.0, "calls": 1}),
                                  ("2026-12-02T01:02", {"p50": 3.0, "p99": 9.0, "calls": 2})]
+
+
+def test_timestamps_keep_four_digit_years():
+    """RFC 3339 wants four digits: strftime's %Y wrote year 231 as "231" (schemathesis found it on expires_at)."""
+    from qag import timeutil
+    assert timeutil.fmt(timeutil.parse("0231-10-13T03:44:12.533902Z")) == "0231-10-13T03:44:12.533Z"
+    assert timeutil.fmt(timeutil.parse("2026-12-02T01:02:03.456789+01:00")) == "2026-12-02T00:02:03.456Z"
