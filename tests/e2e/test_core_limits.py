@@ -16,6 +16,7 @@ import uuid
 import pytest
 import requests
 
+from qag import limits
 from tests.conftest import free_port, pg_fresh_db
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
@@ -147,7 +148,9 @@ def test_redis_down_mid_burst_falls_back_and_comes_back(hosts):
                    if line.startswith("qag_limits_fallback_total{"))
     assert fallback > 0, "decisions made without Redis must be counted"
     hosts["redis"] = _redis(port, hosts["tmp"])   # an empty Redis: the day's count starts again there
-    time.sleep(2.5)                                # past the retry interval
+    # past every worker's retry interval (limits.RETRY_S after its last failed attempt, which on a loaded
+    # machine can end well after the burst): then each host decides in Redis again
+    time.sleep(2 * limits.RETRY_S + 1.5)
     small = make_key(hosts, quota="11/day")
     codes = [r.status_code for r in burst(hosts, small, 30)]
     assert codes.count(200) == 10, codes
