@@ -117,8 +117,9 @@ def available(fmt: str) -> None:
 
 # -- text forms ----------------------------------------------------------------------------------------------
 def _plain(v):
-    """A value as the JSON renderer writes it, as a Python value (str, int, float, bool, None, list, dict)."""
-    if v is None or isinstance(v, (bool, int, float, str)):
+    """A value as the JSON renderer writes it, as a Python value (str, int, float, bool, None, list, dict; a Decimal
+    stays one, for YAML's representer below)."""
+    if v is None or isinstance(v, (bool, int, float, str, decimal.Decimal)):
         return v
     if isinstance(v, (list, dict)):
         return v
@@ -164,10 +165,32 @@ def render_xml(columns, rows) -> bytes:
 
 
 # -- YAML ----------------------------------------------------------------------------------------------------
+_yaml_dumper = None
+
+
+def _dumper(yaml):
+    """PyYAML's SafeDumper that writes a Decimal as a plain number of its exact digits (decimal_text: 12.50, an int
+    when it has no point), NaN and infinities as null, as JSON does; a float stays PyYAML's."""
+    global _yaml_dumper
+    if _yaml_dumper is None:
+        class Dumper(yaml.SafeDumper):
+            pass
+
+        def decimal_node(dumper, v):
+            if not v.is_finite():
+                return dumper.represent_none(None)
+            text = decimal_text(v)
+            return dumper.represent_scalar("tag:yaml.org,2002:float" if "." in text else "tag:yaml.org,2002:int", text)
+        Dumper.add_representer(decimal.Decimal, decimal_node)
+        _yaml_dumper = Dumper
+    return _yaml_dumper
+
+
 def render_yaml(columns, rows) -> bytes:
     yaml = _need("yaml", "yaml")
     docs = [dict(zip(columns, (_plain(v) for v in r))) for r in rows]
-    return yaml.safe_dump(docs, default_flow_style=False, sort_keys=False, allow_unicode=True).encode("utf-8")
+    return yaml.dump(docs, Dumper=_dumper(yaml), default_flow_style=False, sort_keys=False,
+                     allow_unicode=True).encode("utf-8")
 
 
 # -- XLSX ----------------------------------------------------------------------------------------------------
@@ -178,7 +201,12 @@ def _xlsx_value(v):
             return str(v)  # Excel keeps 15 significant digits: a bigger integer is kept exactly as text
         return v
     if isinstance(v, decimal.Decimal):
-        return float(v) if abs(v) < 1e15 else str(v)
+        # a spreadsheet number is a double shown to 15 significant digits: a number when that keeps the value's
+        # digits (12.50 -> 12.5), else its exact text, as a number too wide for a double (NaN: empty)
+        if not v.is_finite():
+            return None
+        f = float(v)
+        return f if abs(f) < 1e15 and len(v.normalize().as_tuple().digits) <= 15 else decimal_text(v)
     if isinstance(v, _dt.datetime):
         if v.tzinfo is not None:
             v = v.astimezone(_dt.UTC).replace(tzinfo=None)  # Excel has no time zones: UTC, said in docs

@@ -2,16 +2,19 @@
 plane's render.rs writes the same bytes (tests/e2e/test_plane_differential.py), so a change here is a change
 there.
 
-JSON: ints and floats as JSON numbers (floats via repr), Decimal as a number (int when integral),
-datetime/date/time as ISO 8601, timedelta as seconds, bytes as lowercase hex, UUID as its canonical text, a set
-as its sorted list. CSV (and every text format): the same, NULL as an empty field, booleans as true/false, a
-JSON value as its JSON text.
+JSON: ints as JSON numbers, floats as their shortest round-trip text (repr), a Decimal (numeric, DECIMAL) as a JSON
+number of its exact digits in plain notation (decimal_text: 12.50 stays 12.50, never a binary float's
+124.94999999999999), NaN and infinities as null; datetime/date/time as ISO 8601, timedelta as seconds, bytes as
+lowercase hex, UUID as its canonical text, a set as its sorted list. CSV (and every text format): the same, NULL
+as an empty field, booleans as true/false, a JSON value as its JSON text, a non-finite Decimal as its text (NaN).
 """
 from __future__ import annotations
 
 import datetime as _dt
 import decimal
 import json
+import re
+import secrets
 import uuid
 
 
@@ -22,12 +25,21 @@ def decimal_text(v: decimal.Decimal) -> str:
     return format(v, "f")
 
 
+# The standard library's encoder has no way to write a number's own text (a float subclass is written with
+# float.__repr__): a finite Decimal is handed to it as a string that opens with NUL and this process's nonce, which
+# the encoder writes as "\u0000<nonce><digits>", and encode() puts the bare digits in its place. A value of the
+# result cannot forge it: it would have to know the nonce, which nothing prints.
+_NONCE = secrets.token_hex(8)
+_MARK = "\x00" + _NONCE
+_MARKED_OUT = '"\\u0000' + _NONCE
+_MARKED = re.compile(re.escape(_MARKED_OUT) + '([-0-9.]+)"')
+
+
 def json_value(v):
-    """A value JSON has no type for, as the JSON value it is written as (the encoder's default)."""
+    """A value JSON has no type for, as the JSON value it is written as (the encoder's default; a finite Decimal
+    is its decimal_text marked for encode(), a non-finite one None)."""
     if isinstance(v, decimal.Decimal):
-        if v == v.to_integral_value() and abs(v) < 2 ** 63:
-            return int(v)
-        return float(v)
+        return _MARK + decimal_text(v) if v.is_finite() else None
     if isinstance(v, _dt.datetime):
         return v.isoformat()
     if isinstance(v, (_dt.date, _dt.time)):
@@ -50,11 +62,16 @@ if _c_make is not None:
     # cost 2.1 us a row before. No circular-reference markers: a database value cannot refer to itself.
     _c_iter = _c_make(None, json_value, json.encoder.c_encode_basestring, None, ":", ",", False, False, False)
 
-    def encode(o) -> str:
-        """o as compact JSON text (separators "," and ":", non-ASCII kept, NaN refused: ValueError)."""
+    def _encode(o) -> str:
         return "".join(_c_iter(o, 0))
 else:  # pragma: no cover - not CPython
-    encode = _enc.encode
+    _encode = _enc.encode
+
+
+def encode(o) -> str:
+    """o as compact JSON text (separators "," and ":", non-ASCII kept, a float NaN refused: ValueError)."""
+    s = _encode(o)
+    return _MARKED.sub(r"\1", s) if _MARKED_OUT in s else s
 
 
 def csv_value(v):
@@ -65,6 +82,8 @@ def csv_value(v):
         return "true" if v else "false"
     if isinstance(v, (str, int, float)):
         return v
+    if isinstance(v, decimal.Decimal):
+        return decimal_text(v) if v.is_finite() else str(v)  # NaN, Infinity: the database's text
     if isinstance(v, (dict, list, tuple)):
         # a JSON or record value: its JSON text, exactly as the json format writes it (not Python's repr)
         return encode(v)

@@ -16,8 +16,67 @@ def test_json_order_and_types():
     cols = ["z", "a", "d", "t", "b", "n"]
     rows = [(1, "x", decimal.Decimal("1.50"), dt.datetime(2026, 11, 30, 6, 59, 53), b"\x01\xff", None)]
     out = render.render_json(cols, rows)
-    assert out == b'[{"z":1,"a":"x","d":1.5,"t":"2026-11-30T06:59:53","b":"01ff","n":null}]'
+    assert out == b'[{"z":1,"a":"x","d":1.50,"t":"2026-11-30T06:59:53","b":"01ff","n":null}]'
     assert list(json.loads(out)[0]) == cols
+
+
+# Numbers as the database has them (docs/api.md, "Numbers"): a Decimal is a JSON number of its exact digits in plain
+# notation (trailing zeros kept, no exponent), NaN and infinities null; CSV/TSV/XML/YAML the same digits.
+DECIMALS = [("124.95", "124.95"), ("12.50", "12.50"), ("12.00", "12.00"), ("1E+3", "1000"), ("1E-7", "0.0000001"),
+            ("-0.0000100", "-0.0000100"), ("12345678901234567890.123456789", "12345678901234567890.123456789"),
+            ("99999999999999999999999999999999999999999.5", "99999999999999999999999999999999999999999.5"),
+            ("0E-10", "0.0000000000"), ("-5", "-5"), (str(2 ** 64), str(2 ** 64))]
+
+
+@pytest.mark.parametrize("fn", [render.render_json, render.render_ndjson])
+def test_a_decimal_is_a_json_number_of_its_exact_digits(fn, monkeypatch):
+    for cols in (["a"], formats.Columns(["a"], [formats.DECIMAL])):
+        for src, text in DECIMALS + [("NaN", "null"), ("Infinity", "null"), ("-Infinity", "null")]:
+            fast, slow = _both(fn, cols, [(decimal.Decimal(src),)], monkeypatch)
+            assert fast == slow
+            assert fast.strip(b"[]\n") == b'{"a":' + text.encode() + b"}", (src, fast)
+            if text != "null":
+                assert json.loads(fast.strip(b"[]\n"), parse_float=decimal.Decimal)["a"] == decimal.Decimal(src)
+    # inside a container (a numeric[] array) and beside a value that takes the standard library's path
+    fast, slow = _both(fn, ["a", "b"], [([decimal.Decimal("2.50"), decimal.Decimal("NaN")], 1e-7)], monkeypatch)
+    assert fast == slow and fast.strip(b"[]\n") == b'{"a":[2.50,null],"b":1e-07}'
+
+
+def test_a_string_cannot_forge_a_decimals_number():
+    from qag import values
+    for s in ("\x001.5", values._MARK[:-1] + "1.5", "\x00" + "0" * 16 + "1.5"):
+        assert json.loads(render.render_json(["a"], [(s,)]))[0]["a"] == s
+
+
+def test_csv_xml_yaml_keep_a_decimals_digits():
+    pytest.importorskip("yaml")
+    import yaml
+    rows = [(decimal.Decimal(g),) for g, _ in DECIMALS] + [(decimal.Decimal("NaN"),)]
+    texts = [t for _, t in DECIMALS]
+    for cols in (["a"], formats.Columns(["a"], [formats.DECIMAL])):
+        assert render.render_csv(cols, rows).decode().split("\r\n")[1:-1] == texts + ["NaN"]
+        assert render.render_tsv(cols, rows).decode().split("\r\n")[1:-1] == texts + ["NaN"]
+    xml = formats.render_xml(["a"], rows).decode()
+    assert all(f"<a>{t}</a>" in xml for t in texts)
+    y = formats.render_yaml(["a"], rows).decode()
+    assert y.splitlines() == [f"- a: {t}" for t in texts] + ["- a: null"]
+    assert yaml.safe_load(y)[1]["a"] == 12.5 and yaml.safe_load(y)[3]["a"] == 1000
+
+
+def test_xlsx_keeps_a_decimal_as_a_number_when_a_double_holds_its_digits_else_as_its_text():
+    assert formats._xlsx_value(decimal.Decimal("124.95")) == 124.95
+    assert formats._xlsx_value(decimal.Decimal("12.50")) == 12.5
+    assert formats._xlsx_value(decimal.Decimal("12345678901234567890.123456789")) == "12345678901234567890.123456789"
+    assert formats._xlsx_value(decimal.Decimal("0.1234567890123456789")) == "0.1234567890123456789"
+    assert formats._xlsx_value(decimal.Decimal("NaN")) is None
+
+
+def test_floats_are_their_shortest_round_trip_text():
+    rows = [(0.1,), (124.95,), (1 / 3,), (1e16,), (5e-324,), (1e-7,)]
+    want = ["0.1", "124.95", "0.3333333333333333", "1e+16", "5e-324", "1e-07"]
+    assert [json.loads(line)["a"] for line in render.render_ndjson(["a"], rows).splitlines()] == [r[0] for r in rows]
+    assert render.render_ndjson(["a"], rows).decode().split() == [f'{{"a":{w}}}' for w in want]
+    assert render.render_csv(["a"], rows).decode().split("\r\n")[1:-1] == want
 
 
 def test_empty_results():
