@@ -448,9 +448,10 @@ mod tests {
         assert_eq!(float_cell(1234567.0, true, 31), Some(Cell::Float(1234570.0)));
         assert_eq!(float_cell(1.005, false, 2), Some(Cell::Float(1.0)), "DOUBLE(10,2) text 1.00 (1.005 is below)");
         assert_eq!(float_cell(0.1, false, 31), Some(Cell::Float(0.1)));
-        assert_eq!(decimal_cell(b"-0.50"), Some(Cell::Decimal { text: "-0.50".into(), num: "-0.5".into() }));
-        assert_eq!(decimal_cell(b"12.00"), Some(Cell::Decimal { text: "12.00".into(), num: "12".into() }));
-        assert_eq!(decimal_cell(b"0.0000001"), Some(Cell::Decimal { text: "1E-7".into(), num: "1e-07".into() }));
+        assert_eq!(decimal_cell(b"-0.50"), Some(Cell::Decimal { text: "-0.50".into(), num: "-0.50".into() }));
+        assert_eq!(decimal_cell(b"12.00"), Some(Cell::Decimal { text: "12.00".into(), num: "12.00".into() }));
+        assert_eq!(decimal_cell(b"0.0000001"), Some(Cell::Decimal { text: "1E-7".into(), num: "0.0000001".into() }));
+        assert_eq!(decimal_cell(b"007.5"), Some(Cell::Decimal { text: "7.5".into(), num: "7.5".into() }));
     }
 
     #[test]

@@ -158,7 +158,8 @@ fn timestamp_text(us: i64) -> Option<String> {
     Some(format!("{}T{}", date_text(days)?, time_text(rest)))
 }
 
-/// PostgreSQL's binary numeric to (str(Decimal), JSON/CSV text); None for NaN and infinities.
+/// PostgreSQL's binary numeric to (str(Decimal), JSON/CSV text); None for NaN and infinities (forwarded:
+/// Python writes null in JSON, the database's text in CSV).
 fn numeric_texts(b: &[u8]) -> Option<(String, String)> {
     if b.len() < 8 {
         return None;
@@ -204,27 +205,20 @@ fn numeric_texts(b: &[u8]) -> Option<(String, String)> {
 }
 
 /// A decimal of sign, integer digits (no leading zeros, "0" for none) and fractional digits, as
-/// (str(Decimal), what render.py prints: an int when integral and below 2**63, else the float's repr).
-/// None when the float is not finite.
+/// (str(Decimal), what render.py prints: values.decimal_text, the exact digits in plain notation, the scale's
+/// trailing zeros kept: 12.50, 1000, 0.0000001, never a float's 124.94999999999999 nor an exponent).
+/// Always Some (the Option stays for the callers' `?`: a decimal the plane cannot print is forwarded).
 pub(crate) fn decimal_texts(neg: bool, int_part: &str, frac: &str) -> Option<(String, String)> {
     let text = decimal_str(neg, int_part, frac);
-    let integral = frac.bytes().all(|c| c == b'0');
-    let num = if integral {
-        // more than 38 digits cannot be below 2**63 anyway
-        let v: i128 = if int_part.len() <= 38 { int_part.parse().ok()? } else { i128::MAX };
-        if v < (1i128 << 63) {
-            let v = if neg { -v } else { v };
-            v.to_string()
-        } else {
-            float_repr(format!("{}{}", if neg { "-" } else { "" }, int_part).parse::<f64>().ok()?)
-        }
-    } else {
-        let f: f64 = format!("{}{}.{}", if neg { "-" } else { "" }, int_part, frac).parse().ok()?;
-        if !f.is_finite() {
-            return None;
-        }
-        float_repr(f)
-    };
+    let mut num = String::with_capacity(int_part.len() + frac.len() + 2);
+    if neg {
+        num.push('-');
+    }
+    num.push_str(int_part);
+    if !frac.is_empty() {
+        num.push('.');
+        num.push_str(frac);
+    }
     Some((text, num))
 }
 
@@ -500,20 +494,33 @@ mod tests {
 
     #[test]
     fn numerics_like_psycopg2_decimal() {
-        // 12.50 -> Decimal('12.50'): JSON 12.5
-        assert_eq!(numeric_texts(&numeric(&[12, 5000], 0, false, 2)), Some(("12.50".into(), "12.5".into())));
-        // 1000 (weight 0 digits [1000]) -> int
+        // (str(Decimal), values.decimal_text): JSON and CSV print the exact digits in plain notation
+        // 12.50 -> Decimal('12.50'): 12.50, trailing zero kept (numeric(p,2)'s text)
+        assert_eq!(numeric_texts(&numeric(&[12, 5000], 0, false, 2)), Some(("12.50".into(), "12.50".into())));
+        // 124.95: not the float's 124.94999999999999
+        assert_eq!(numeric_texts(&numeric(&[124, 9500], 0, false, 2)), Some(("124.95".into(), "124.95".into())));
+        // 1000 (weight 0 digits [1000])
         assert_eq!(numeric_texts(&numeric(&[1000], 0, false, 0)), Some(("1000".into(), "1000".into())));
-        // 123456789.00 -> 123456789 (integral)
-        assert_eq!(numeric_texts(&numeric(&[1, 2345, 6789], 2, false, 2)), Some(("123456789.00".into(), "123456789".into())));
-        // -0.0000100 (digits base 10000: 1000 x 10000^-2) -> Decimal('-0.0000100') -> float -1e-05
-        assert_eq!(numeric_texts(&numeric(&[0, 1000], -1, true, 7)), Some(("-0.0000100".into(), "-1e-05".into())));
-        // -0.0000001 (10 x 10000^-2) -> Decimal('-1E-7') -> float -1e-07
-        assert_eq!(numeric_texts(&numeric(&[10], -2, true, 7)), Some(("-1E-7".into(), "-1e-07".into())));
+        // 123456789.00
+        assert_eq!(numeric_texts(&numeric(&[1, 2345, 6789], 2, false, 2)), Some(("123456789.00".into(), "123456789.00".into())));
+        // -0.0000100 (digits base 10000: 1000 x 10000^-2)
+        assert_eq!(numeric_texts(&numeric(&[0, 1000], -1, true, 7)), Some(("-0.0000100".into(), "-0.0000100".into())));
+        // -0.0000001 (10 x 10000^-2) -> Decimal('-1E-7'), printed without the exponent
+        assert_eq!(numeric_texts(&numeric(&[10], -2, true, 7)), Some(("-1E-7".into(), "-0.0000001".into())));
         // 0 with scale 2
-        assert_eq!(numeric_texts(&numeric(&[], 0, false, 2)), Some(("0.00".into(), "0".into())));
-        // 10000000000000000000 (2^63 < v): float
-        assert_eq!(numeric_texts(&numeric(&[1000], 4, false, 0)), Some(("10000000000000000000".into(), "1e+19".into())));
+        assert_eq!(numeric_texts(&numeric(&[], 0, false, 2)), Some(("0.00".into(), "0.00".into())));
+        // 10000000000000000000 (over 2^63): its digits, not 1e+19
+        assert_eq!(numeric_texts(&numeric(&[1000], 4, false, 0)), Some(("10000000000000000000".into(), "10000000000000000000".into())));
+        // 12345678901234567890.123456789 (digits 1234 5678 9012 3456 7890 . 1234 5678 9000, scale 9)
+        let many = numeric(&[1234, 5678, 9012, 3456, 7890, 1234, 5678, 9000], 4, false, 9);
+        assert_eq!(numeric_texts(&many), Some(("12345678901234567890.123456789".into(), "12345678901234567890.123456789".into())));
+        // 1e400 (weight 100): over any double, printed in full
+        let (_, huge) = numeric_texts(&numeric(&[1], 100, false, 0)).unwrap();
+        assert_eq!(huge, format!("1{}", "0".repeat(400)));
+        // NaN (sign 0xC000): forwarded to Python
+        let mut nan = numeric(&[], 0, false, 0);
+        nan[4] = 0xC0;
+        assert_eq!(numeric_texts(&nan), None);
     }
 
     #[test]

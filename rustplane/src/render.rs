@@ -23,7 +23,8 @@ pub enum Cell {
     Bool(bool),
     Int(i64),
     Float(f64),
-    /// numeric: `text` is str(Decimal) (hash/mask text); `num` is what JSON and CSV print (int or float).
+    /// numeric: `text` is str(Decimal) (hash/mask text); `num` is what JSON and CSV print: the exact digits in
+    /// plain notation (values.decimal_text), or the total seconds of a MySQL TIME.
     Decimal { text: String, num: String },
     /// text, and everything Python renders as a string: dates and times (isoformat), bytea (hex), uuid.
     Str(String),
@@ -407,8 +408,8 @@ mod tests {
         let out = render_json(&cols(&["id", "name", "x", "id"]), &rows);
         assert_eq!(String::from_utf8(out).unwrap(), r#"[{"id":2,"name":"a\"é","x":1e+16},{"id":null,"name":true,"x":0.1}]"#);
         assert_eq!(render_json(&cols(&["a"]), &[]), b"[]".to_vec());
-        let nd = render_ndjson(&cols(&["a", "b"]), &[vec![Cell::Int(-5), Cell::Decimal { text: "12.50".into(), num: "12.5".into() }]]);
-        assert_eq!(String::from_utf8(nd).unwrap(), "{\"a\":-5,\"b\":12.5}\n");
+        let nd = render_ndjson(&cols(&["a", "b"]), &[vec![Cell::Int(-5), Cell::Decimal { text: "12.50".into(), num: "12.50".into() }]]);
+        assert_eq!(String::from_utf8(nd).unwrap(), "{\"a\":-5,\"b\":12.50}\n");
         assert_eq!(render_ndjson(&cols(&["a"]), &[]), b"".to_vec());
     }
 

@@ -38,7 +38,14 @@ SELECT i, (i % 300)::smallint, i::bigint * 1000000007,
   (ARRAY['sad','ok','happy'])[i % 3 + 1]::mood
 FROM generate_series(1, 500) AS i;
 UPDATE items SET name = NULL, price = NULL, doc = NULL WHERE id % 11 = 0;
+ALTER TABLE items ADD COLUMN exact numeric, ADD COLUMN tiny numeric, ADD COLUMN wide numeric(40,12);
+UPDATE items SET exact = CASE WHEN id IN (97, 194) THEN 'NaN'::numeric
+                              ELSE id * 12345678901234567890.123456789 END,
+  tiny = id * 0.0000001, wide = (id * 1.1)::numeric(40,12) + 10::numeric ^ 25 * (id % 3);
 """
+# Numbers as the database has them: numeric keeps its digits (12345678901234567890.123456789, the scale's trailing
+# zeros of 2.50 and 1.100000000000, 0.0000001 without Decimal's 1E-7, 10^25 past any int64), NaN null in JSON
+# (the plane forwards a NaN: Python answers it).
 
 QUERIES = {
     "item": (("SELECT id, small, big, name, code, flag, ok, price, ratio, r4, created, created_tz, day, at, blob, "
@@ -55,6 +62,8 @@ QUERIES = {
               {"greeting": {"type": "str", "default": "hello", "max_length": 12},
                "pat": {"type": "str", "min_length": 1}}),
     "boom": ("SELECT 1 / (id - id) AS x FROM items WHERE id = :id", {"id": "int"}),
+    "nums": ("SELECT id, price, exact, tiny, wide, ratio, r4, price * 3 AS tripled FROM items WHERE id >= :lo "
+             "ORDER BY id LIMIT 20", {"lo": {"type": "int", "default": 1}}),
 }
 
 
@@ -99,6 +108,9 @@ def _random_path(rnd: random.Random) -> str:
     if q in ("item", "boom"):
         p.append(("id", rnd.choice([str(rnd.randint(1, 520)), str(rnd.randint(1, 520)), "0", "-3", "abc", "", "1.5",
                                     " 7 ", "+8", "99999999999999999999"])))
+    elif q == "nums":
+        if rnd.random() < 0.9:
+            p.append(("lo", str(rnd.randint(1, 500))))
     elif q == "items":
         if rnd.random() < 0.7:
             p.append(("lo", str(rnd.randint(-5, 520))))
@@ -201,6 +213,29 @@ def test_differential_byte_identical(plane_stack):
     from qag import entries
     if "names" in entries.PLAN_FIELDS:  # masking plans are servable once names are published
         assert served["gov"] > 0.8 * calls["gov"], f"the plane served only {served['gov']} of {calls['gov']} gov calls"
+
+
+def test_the_plane_prints_a_numerics_digits(plane_stack):
+    """The plane's own answer (not a forwarded one) carries each numeric's exact digits, byte for byte Python's."""
+    srv = plane_stack
+    plane, direct = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30), UnixConn(srv.sock)
+    h = {"X-API-Key": srv.keys["plain"]}
+    for fmt, want in (("json", b'[{"id":2,"price":2.50,"exact":24691357802469135780.246913578,"tiny":0.0000002,'
+                               b'"wide":20000000000000000000000002.200000000000,"ratio":0.6666666666666666,'
+                               b'"r4":0.2857143,"tripled":7.50}'),
+                      ("csv", b"id,price,exact,tiny,wide,ratio,r4,tripled\r\n2,2.50,24691357802469135780.246913578,"
+                              b"0.0000002,20000000000000000000000002.200000000000,0.6666666666666666,0.2857143,7.50\r\n")):
+        b = _call(direct, f"/q/nums?lo=2&page_size=1&format={fmt}", {**h, "X-Request-Id": f"num-{fmt}-y"})
+        # the first call of a plan is Python's (it publishes the plan for the plane), and a generation bumped
+        # meanwhile sends one more to Python: every answer must be Python's bytes, and the plane must serve some
+        for k in range(5):
+            a = _call(plane, f"/q/nums?lo=2&page_size=1&format={fmt}", {**h, "X-Request-Id": f"num-{fmt}-{k}"})
+            assert a[0] == 200 and a[1].startswith(want) and a[1] == b[1], (fmt, k, a, b)
+    time.sleep(2.0)  # the recorder's batches
+    runs = [r for rid, r in _history(srv, "nums").items() if rid.startswith("num-")]
+    assert any(r["served_by"] == "plane" for r in runs), runs
+    a = _call(plane, "/q/nums?lo=97&page_size=1", h)  # NaN: null (forwarded to Python)
+    assert a[0] == 200 and b'"exact":null' in a[1], a
 
 
 def test_revocation_through_the_plane(plane_stack):

@@ -204,3 +204,23 @@ def test_mysql_sessions_read_only_with_the_time_limit(mysql_stack):
     time.sleep(1.5)
     runs = _history(srv, "session")
     assert runs["sess-2"]["served_by"] == "plane", runs["sess-2"]
+
+
+def test_mysql_decimals_keep_their_digits(mysql_stack):
+    """DECIMAL through the plane's own answer: the server's digits (2.50, trailing zeros kept), Python's bytes."""
+    from decimal import Decimal
+    srv = mysql_stack
+    plane, direct = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30), UnixConn(srv.sock)
+    h = {"X-API-Key": srv.keys["plain"]}
+    big = format(Decimal(2 - 250) * Decimal("1234567.0123456789"), "f")
+    for fmt, want in (("json", '"price":2.50,'), ("csv", ",2.50,"), ("ndjson", f'"big_dec":{big}}}')):
+        b = _call(direct, f"/q/item?id=2&format={fmt}", {**h, "X-Request-Id": f"dec-{fmt}-y"})
+        # the first call of a plan is Python's (it publishes the plan for the plane), and a generation bumped
+        # meanwhile sends one more to Python: every answer must be Python's bytes, and the plane must serve some
+        for k in range(5):
+            a = _call(plane, f"/q/item?id=2&format={fmt}", {**h, "X-Request-Id": f"dec-{fmt}-{k}"})
+            assert a[0] == 200 and want.encode() in a[1] and a[1] == b[1], (fmt, k, a, b)
+    assert big == "-306172619.0617283672"
+    time.sleep(2.0)  # the recorder's batches
+    runs = [r for r in _history(srv, "item").values() if r["request_id"].startswith("dec-")]
+    assert any(r["served_by"] == "plane" for r in runs), runs
