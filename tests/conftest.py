@@ -34,6 +34,17 @@ def plane() -> str:
     return need_plane()
 
 
+def orders_db(path: str) -> str:
+    """A small SQLite file of orders (id, cid, total, email), two rows; returns its path."""
+    import sqlite3
+    c = sqlite3.connect(path)
+    c.executescript("CREATE TABLE orders (id INTEGER PRIMARY KEY, cid INTEGER, total REAL, email TEXT);"
+                    "INSERT INTO orders VALUES (1, 7, 12.5, 'ann@example.com'), (2, 8, 3.0, 'bob@example.com');")
+    c.commit()
+    c.close()
+    return path
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -3,6 +3,7 @@
 //! (qag/logs.py): `ts` (RFC 3339 UTC, milliseconds), `level`, `process` ("plane"), `pid`, `logger`
 //! ("qag.plane") and `msg`.
 
+use crate::pyfmt::json_str;
 use std::sync::OnceLock;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -35,29 +36,13 @@ pub fn json_line(unix_ms: i64, level: &str, pid: u32, msg: &str) -> String {
     out.push_str("{\"ts\": \"");
     out.push_str(&rfc3339_ms(unix_ms));
     out.push_str("\", \"level\": ");
-    escape_into(&mut out, level);
+    json_str(&mut out, level, false);
     out.push_str(", \"process\": \"plane\", \"pid\": ");
     out.push_str(&pid.to_string());
     out.push_str(", \"logger\": \"qag.plane\", \"msg\": ");
-    escape_into(&mut out, msg);
+    json_str(&mut out, msg, false);
     out.push('}');
     out
-}
-
-fn escape_into(out: &mut String, s: &str) {
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
-            c => out.push(c),
-        }
-    }
-    out.push('"');
 }
 
 /// Unix milliseconds as `YYYY-MM-DDTHH:MM:SS.mmmZ` (the proleptic Gregorian calendar, as Python's).

@@ -15,16 +15,15 @@ import requests
 from tests.conftest import ROOT
 
 
-def test_refusals_and_failures_are_logged_once_with_their_reason(server_factory, tmp_path):
+def seed(srv, tmp_path) -> tuple[str, str]:
+    """A SQLite connection, a query the database rejects (boom), one a scoped key may not read (secrets), and
+    two keys: (scoped, plain)."""
     data = str(tmp_path / "d.db")
     db = sqlite3.connect(data)
     db.executescript("CREATE TABLE t (id INTEGER, secret TEXT); INSERT INTO t VALUES (1, 'x');")
     db.commit()
     db.close()
-    srv = server_factory({"QAG_SLOW_MS": "1", "QAG_LOG_LEVEL": "warning", "QAG_TYPO_SETTING": "1"},
-                         args=("--workers", "1"))
-    adm = srv.admin
-    post = lambda p, b: requests.post(srv.base + p, json=b, headers=adm, timeout=10)  # noqa: E731
+    post = lambda p, b: requests.post(srv.base + p, json=b, headers=srv.admin, timeout=10)  # noqa: E731
     assert post("/api/v1/connections", {"name": "d", "db": "sqlite", "database": data}).status_code == 201
     assert post("/api/v1/queries", {"name": "boom", "connection_name": "d", "publish": True,
                                     "sql": "SELECT json(:doc) AS x FROM t",
@@ -33,6 +32,13 @@ def test_refusals_and_failures_are_logged_once_with_their_reason(server_factory,
                                     "sql": "SELECT secret FROM t"}).status_code == 201
     key = post("/api/v1/api-keys", {"name": "scoped", "queries": ["*"], "allowed_tables": ["other"]}).json()["secret"]
     plain = post("/api/v1/api-keys", {"name": "plain", "queries": ["*"]}).json()["secret"]
+    return key, plain
+
+
+def test_refusals_and_failures_are_logged_once_with_their_reason(server_factory, tmp_path):
+    srv = server_factory({"QAG_SLOW_MS": "1", "QAG_LOG_LEVEL": "warning", "QAG_TYPO_SETTING": "1"},
+                         args=("--workers", "1"))
+    key, plain = seed(srv, tmp_path)
     r = requests.get(srv.base + "/q/boom", params={"doc": "31337-not-json"}, headers={"X-API-Key": plain,
                                                                            "X-Request-Id": "rid-boom"}, timeout=10)
     assert r.status_code == 500 and r.json()["code"] == "query_failed"
@@ -70,22 +76,9 @@ def test_json_logs_one_object_per_line_from_every_process(server_factory, tmp_pa
     is one JSON object with ts, level, process, pid, logger and msg; a refusal and a failure carry their fields
     (request id, key, query, status, code, the database's text), never a parameter value."""
     import json
-    data = str(tmp_path / "d.db")
-    db = sqlite3.connect(data)
-    db.executescript("CREATE TABLE t (id INTEGER, secret TEXT); INSERT INTO t VALUES (1, 'x');")
-    db.commit()
-    db.close()
     srv = server_factory({"QAG_LOG_FORMAT": "json", "QAG_LOG_LEVEL": "info", "QAG_TYPO_SETTING": "1"},
                          args=("--workers", "1"))
-    post = lambda p, b: requests.post(srv.base + p, json=b, headers=srv.admin, timeout=10)  # noqa: E731
-    assert post("/api/v1/connections", {"name": "d", "db": "sqlite", "database": data}).status_code == 201
-    assert post("/api/v1/queries", {"name": "boom", "connection_name": "d", "publish": True,
-                                    "sql": "SELECT json(:doc) AS x FROM t",
-                                    "parameters": {"doc": "str"}}).status_code == 201
-    assert post("/api/v1/queries", {"name": "secrets", "connection_name": "d", "publish": True,
-                                    "sql": "SELECT secret FROM t"}).status_code == 201
-    key = post("/api/v1/api-keys", {"name": "scoped", "queries": ["*"], "allowed_tables": ["other"]}).json()["secret"]
-    plain = post("/api/v1/api-keys", {"name": "plain", "queries": ["*"]}).json()["secret"]
+    key, plain = seed(srv, tmp_path)
     assert requests.get(srv.base + "/q/boom", params={"doc": "31337-not-json"},
                         headers={"X-API-Key": plain, "X-Request-Id": "rid-boom"}, timeout=10).status_code == 500
     assert requests.get(srv.base + "/q/secrets", headers={"X-API-Key": key, "X-Request-Id": "rid-refused"},

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import sqlite3
 import subprocess
 import sys
 
@@ -10,7 +9,7 @@ import pytest
 import requests
 import yaml
 
-from tests.conftest import ROOT, start_server
+from tests.conftest import ROOT, orders_db, start_server
 
 
 def qag(srv, *args, env=None, stdin=None):
@@ -33,12 +32,7 @@ def audit_count(srv) -> int:
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     d = tmp_path_factory.mktemp("manifest")
-    db = str(d / "shop.db")
-    c = sqlite3.connect(db)
-    c.executescript("CREATE TABLE orders (id INTEGER PRIMARY KEY, cid INTEGER, total REAL, email TEXT);"
-                    "INSERT INTO orders VALUES (1, 7, 12.5, 'ann@example.com'), (2, 8, 3.0, 'bob@example.com');")
-    c.commit()
-    c.close()
+    db = orders_db(str(d / "shop.db"))
     a = start_server()
     b = start_server()
     api(a, "POST", "/api/v1/connections", {"name": "shop", "db": "sqlite", "database": db}, 201)

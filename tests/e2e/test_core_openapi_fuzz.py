@@ -10,14 +10,13 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import sqlite3
 import subprocess
 import sys
 
 import pytest
 import requests
 
-from tests.conftest import ROOT, start_server
+from tests.conftest import ROOT, orders_db, start_server
 
 pytest.importorskip("schemathesis")
 
@@ -29,12 +28,7 @@ CHECKS = "contract_server_errors,status_code_conformance,content_type_conformanc
 @pytest.fixture(scope="module")
 def instance(tmp_path_factory):
     d = tmp_path_factory.mktemp("st")
-    db = str(d / "shop.db")
-    c = sqlite3.connect(db)
-    c.executescript("CREATE TABLE orders (id INTEGER PRIMARY KEY, cid INTEGER, total REAL, email TEXT);"
-                    "INSERT INTO orders VALUES (1, 7, 12.5, 'ann@example.com'), (2, 8, 3.0, 'bob@example.com');")
-    c.commit()
-    c.close()
+    db = orders_db(str(d / "shop.db"))
     srv = start_server(args=("--workers", "1"))
     h = srv.admin
     assert requests.post(srv.base + "/api/v1/connections", json={"name": "shop", "db": "sqlite", "database": db},
