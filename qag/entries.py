@@ -194,32 +194,58 @@ class RunRecord(NamedTuple):
     served_by: str        # "worker:N" or "plane"
     transport: str        # "http", "stream", ...
     route: str            # route template, e.g. "/q/{name}"
+    error: str | None     # RR5 (format 1.1): what the database said of a failed call, for administrators only
 
 
 RUN_FIELDS: tuple[str, ...] = RunRecord._fields
 RUN_NFIELDS = len(RUN_FIELDS)
 # Each field's Python type as declared ("int", "str | None"...); LAYOUT.md writes "str | None" as str|nil.
 RUN_TYPES: tuple[str, ...] = tuple(getattr(a, "__forward_arg__", a) for a in RunRecord.__annotations__.values())
+# RR2: the fields of format 1.0 (before `error`); a reader takes such a record (a journal written before an upgrade)
+# with the later fields nil.
+RUN_NFIELDS_1_0 = RUN_FIELDS.index("error")
+_RUN_PAD = (None,) * (RUN_NFIELDS - RUN_NFIELDS_1_0)
+# RR5: `error` holds at most this many characters, never a NUL (the run stores refuse one in a string).
+RUN_ERROR_MAX = 500
+
+
+def run_error(db_text: str | None, args=()) -> str | None:
+    """The `error` field (RR5) of a call that failed with `db_text`, the database's first line (the connection's
+    password already replaced by the connector, connectors S7): each bound parameter's value replaced by
+    `[value]` (a value of 3 characters or fewer only where quoted, so that "line 1" stays readable), NULs dropped,
+    at most RUN_ERROR_MAX characters. None when the database said nothing."""
+    if not db_text:
+        return None
+    text = db_text.replace("\x00", "")
+    for a in sorted({str(a) for a in args or () if a is not None and not isinstance(a, bool)}, key=len, reverse=True):
+        if not a:
+            continue
+        if len(a) > 3:
+            text = text.replace(a, "[value]")
+        else:
+            for q in ('"', "'"):
+                text = text.replace(f"{q}{a}{q}", f"{q}[value]{q}")
+    return text[:RUN_ERROR_MAX]
 
 
 def pack_run(at_us, key_name, query, version, connection, status, code, rows, duration_us,
-             nbytes, request_id, served_by, transport, route) -> bytes:
+             nbytes, request_id, served_by, transport, route, error=None) -> bytes:
     """Positional encoder for the hot path (no keyword dict built per call); its parameters are RUN_FIELDS[1:]
     (`nbytes` for `bytes`; a test checks the signature against the declaration)."""
     return _pack((RUN_VERSION, at_us, key_name, query, version, connection, status, code, rows,
-                  duration_us, nbytes, request_id, served_by, transport, route))
+                  duration_us, nbytes, request_id, served_by, transport, route, error))
 
 
 def pack_run_of(run: dict, served_by: str) -> bytes:
     """The record of a server's run dict, keyed by RUN_FIELDS (its `served_by` aside), in one call."""
     return _pack((RUN_VERSION, run["at_us"], run["key_name"], run["query"], run["version"], run["connection"],
                   run["status"], run["code"], run["rows"], run["duration_us"], run["bytes"], run["request_id"],
-                  served_by, run["transport"], run["route"]))
+                  served_by, run["transport"], run["route"], run.get("error")))
 
 
 _RUN_DEFAULTS = {"at_us": None, "key_name": None, "query": None, "version": None, "connection": None,
                  "status": 200, "code": None, "rows": 0, "duration_us": 0, "bytes": 0, "request_id": "",
-                 "served_by": "worker:0", "transport": "http", "route": ""}
+                 "served_by": "worker:0", "transport": "http", "route": "", "error": None}
 if tuple(_RUN_DEFAULTS) != RUN_FIELDS[1:]:
     raise AssertionError("entries._RUN_DEFAULTS must name every RunRecord field after v, in order")
 
@@ -244,8 +270,8 @@ def decode_run(payload: bytes) -> RunRecord:
         t = _unpackb(payload, use_list=False, raw=False)
     except Exception as e:  # msgpack raises several unrelated types
         raise RecordError(f"run record is not msgpack: {e}") from None
-    if type(t) is not tuple or len(t) < RUN_NFIELDS or t[0] != RUN_VERSION:
-        raise RecordError(f"run record is not a version-1 array of {RUN_NFIELDS} fields")
-    if len(t) > RUN_NFIELDS:  # RR2: fields appended by a later minor version
-        t = t[:RUN_NFIELDS]
+    if type(t) is not tuple or len(t) < RUN_NFIELDS_1_0 or t[0] != RUN_VERSION:
+        raise RecordError(f"run record is not a version-1 array of at least {RUN_NFIELDS_1_0} fields")
+    if len(t) != RUN_NFIELDS:  # RR2: fields appended by a later minor version, or a 1.0 record without `error`
+        t = t[:RUN_NFIELDS] if len(t) > RUN_NFIELDS else t + _RUN_PAD[:RUN_NFIELDS - len(t)]
     return RunRecord._make(t)

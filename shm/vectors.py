@@ -50,7 +50,10 @@ CONNECTION_ROW = {"name": "main", "db": "postgres", "host": "127.0.0.1", "port":
                   "database": "shop", "options": {"search_path": "app", "allow_superuser": True}, "active": 1}
 RUN = {"at_us": NOW_NS // 1000, "key_name": "alice", "query": "orders_by_id", "version": 1, "connection": "main",
        "status": 200, "code": None, "rows": 1, "duration_us": 812, "bytes": 120, "request_id": "0123456789abcdef",
-       "served_by": "plane", "transport": "http", "route": "/q/{name}"}
+       "served_by": "plane", "transport": "http", "route": "/q/{name}", "error": None}
+# A failed call with the database's words (LAYOUT.md [Run record] RR5; a str8 with a non-ASCII character).
+RUN_FAILED = {**RUN, "status": 500, "code": "query_failed", "rows": 0, "bytes": 150, "served_by": "worker:1",
+              "error": 'relation "public.ordres" does not exist (é)'}
 
 
 def entry_vectors() -> dict[str, bytes]:
@@ -68,6 +71,7 @@ def entry_vectors() -> dict[str, bytes]:
         "plan_entry.bin": pack(entries.plan_entry(plan, SimpleNamespace(**PLAN_CFG), PLAN_SQL, 1)),
         "connection_entry.bin": pack(entries.connection_entry(CONNECTION_ROW, 1, 3.0)),
         "run_record.bin": entries.encode_run(**RUN),
+        "run_record_failed.bin": entries.encode_run(**RUN_FAILED),
     }
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import falcon
 
-from qag import connectors, formats
+from qag import connectors, entries, formats
 from qag import params as P
 from qag.errors import ApiError, DomainError
 from qag.http import errors as http_errors
@@ -100,7 +100,8 @@ class Call:
         self.req, self.resp, self.name = req, resp, name
         self.t0 = time.perf_counter()
         self.run: dict[str, Any] = {"at_us": time.time_ns() // 1000, "query": name, "version": None,
-                                    "key_name": None, "connection": None, "rows": 0, "bytes": 0, "transport": "http"}
+                                    "key_name": None, "connection": None, "rows": 0, "bytes": 0, "transport": "http",
+                                    "error": None}
         self.principal = self.limits = self.plan_hit = self.cache_key = self.query_seconds = None
         self.held = self.row_limit = None
 
@@ -272,9 +273,13 @@ def refused(c: Call, exc: ApiError | DomainError) -> ApiError | None:
     err = http_errors.answer(exc, admin=c.principal is not None and c.principal.admin, data_call=True)
     if err is None:
         return None
+    db_text = getattr(exc, "db_text", "")
+    # The run keeps the database's words for administrators (history; LAYOUT.md [Run record] RR5), bounded and
+    # without the call's parameter values; the caller's answer is err, as before.
+    c.run["error"] = entries.run_error(db_text, getattr(c, "args", None))
     finish(c.app, c.req, c.run, err.status, err.code, c.t0, c.query_seconds, c.plan_hit)
     if err.status >= 500 or err.status == 403:
-        log_refusal(c.req, c.run, err, getattr(exc, "db_text", ""))
+        log_refusal(c.req, c.run, err, db_text)
     return err
 
 

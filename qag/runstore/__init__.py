@@ -22,7 +22,9 @@ retention, and the recorder sums the per-minute usage itself (see sql.py). Click
 qag_events only; its views fill history and usage.
 
 Items are API.md's run objects: event_id, at (RFC 3339 UTC, ms, Z), query, version, key_name,
-connection_name, status, code, rows, duration_ms, request_id, served_by. `since`/`until` take an
+connection_name, status, code, rows, duration_ms, request_id, served_by; history's items also `error` (the
+database's words of a failed call, for administrators: shm/LAYOUT.md [Run record] RR5), which the event stream,
+read by keys, never has. `since`/`until` take an
 RFC 3339 string, a datetime or epoch microseconds; `status` an int, "4xx"/"5xx", "ok" or "error";
 `cursor` is the opaque string a previous page returned.
 

@@ -12,6 +12,9 @@ _EPOCH = _dt.datetime(1970, 1, 1, tzinfo=UTC)
 # Column order every store's read queries return, mapped to API.md's run fields by run_item().
 READ_COLUMNS = ("event_id", "at_us", "query", "version", "key_name", "connection_name", "status",
                 "code", "rows", "duration_us", "request_id", "served_by")
+# History's reads (GET /api/v1/history: administrators only) add the database's text of a failed call
+# (LAYOUT.md [Run record] RR5); the event stream, which keys read, uses READ_COLUMNS and never has it.
+HISTORY_COLUMNS = READ_COLUMNS + ("error",)
 
 PERIOD_SECONDS = {"minute": 60, "hour": 3600, "day": 86400}
 
@@ -122,6 +125,13 @@ def run_item(row) -> dict:
         "request_id": request_id,
         "served_by": served_by,
     }
+
+
+def history_item(row) -> dict:
+    """A HISTORY_COLUMNS row -> the API's run object with `error` (null unless the database said why it failed)."""
+    item = run_item(row[:-1])
+    item["error"] = row[-1]
+    return item
 
 
 def parse_cursor(cursor) -> int | None:

@@ -22,11 +22,11 @@ from collections import defaultdict
 
 import msgpack
 
-from ..entries import RUN_FIELDS
+from ..entries import RUN_FIELDS, RUN_NFIELDS_1_0
 from ..entries import RUN_NFIELDS as NFIELDS
 from ..entries import RUN_VERSION as VERSION
 from . import _items
-from ._items import StoreSettings, fmt_us, run_item
+from ._items import StoreSettings, fmt_us, history_item, run_item
 from .eventid import EPOCH_MS, MS_PER_DAY, SEQ_BITS, IdClock, id_floor, now_ms
 
 log = logging.getLogger("qag.runstore.clickhouse")
@@ -40,7 +40,8 @@ _COLUMN = {"v": ("v", "UInt8"), "at_us": ("at", "DateTime64(6, 'UTC')"),
            "code": ("code", "LowCardinality(Nullable(String))"), "rows": ("rows", "Int64"),
            "duration_us": ("duration_us", "Int64"), "bytes": ("bytes", "Int64"), "request_id": ("request_id", "String"),
            "served_by": ("served_by", "LowCardinality(String)"), "transport": ("transport", "LowCardinality(String)"),
-           "route": ("route", "LowCardinality(String)")}
+           "route": ("route", "LowCardinality(String)"),
+           "error": ("error", "Nullable(String)")}
 _RECORD_COLUMNS = tuple(_COLUMN[f] for f in RUN_FIELDS)
 # Insert column order: the constant columns first, then what the recorder adds per row, then the record's
 # fields exactly as the ring holds them (the MsgPack row is the record's array body).
@@ -51,6 +52,8 @@ _RUN_COLS = ", ".join(["event_id"] + [c for c, _ in _RECORD_COLUMNS[1:]])
 _RUN_COL_TYPES = ", ".join(f"{c} {t}" for c, t in _RECORD_COLUMNS[1:])
 _READ = ("event_id, toUnixTimestamp64Micro(at), query, version, key_name, connection_name, status, code, "
          "rows, duration_us, request_id, served_by")
+# History (administrators only) also reads `error`; the event stream, which keys read, never does.
+_READ_HISTORY = _READ + ", error"
 # Every insert: views deduplicate by the insert's token (exactly once on retry and replay); views
 # run in parallel; no merge-on-insert (reads sum/argMax anyway; halves the insert time, measured).
 _DEDUP = {"deduplicate_blocks_in_dependent_materialized_views": 1, "parallel_view_processing": 1,
@@ -61,7 +64,11 @@ _packb = msgpack.Packer(use_bin_type=True, autoreset=True).pack
 # Without both, replaying the last batch wrote it twice whenever it held over ~10,000 runs (seen on
 # chDB 26.9); a larger batch goes as several inserts, as one spanning midnight does.
 _MAX_INSERT_ROWS = 64_000
-_RECORD_HEAD = bytes([0x90 | NFIELDS, VERSION])  # fixarray(15), v = 1 (LAYOUT.md [Run record] RR1)
+# LAYOUT.md [Run record] RR4: the array's head (array16 of 16: dc 00 10), then v = 1; a row of the insert body is
+# the record without its array head.
+_ARRAY_HEAD = msgpack.packb((None,) * NFIELDS)[:-NFIELDS]
+_RECORD_HEAD = _ARRAY_HEAD + bytes([VERSION])
+_PAD = (None,) * (NFIELDS - RUN_NFIELDS_1_0)
 
 
 def _client(url: str):
@@ -278,11 +285,12 @@ class ClickHouseRunStore:
         # one struct per row: the insert's constant columns, then event_id, slot, pos
         rh = struct.Struct(f">{len(const)}sBQBHBQ").pack
         eid = bfirst
+        skip = len(_ARRAY_HEAD)
         parts = []
         ap = parts.append
         for slot, _pos, payload in recs:
             ap(rh(const, 0xCF, eid, 0xCD, slot, 0xCF, upto[slot]))
-            ap(payload[1:])
+            ap(payload[skip:])
             eid += stride
         return b"".join(parts)
 
@@ -381,12 +389,12 @@ class ClickHouseRunStore:
         if until_us is not None:
             where.append("at < fromUnixTimestamp64Micro(%(until)s, 'UTC')")
             params["until"] = until_us
-        sql = f"SELECT {_READ} FROM qag_history"
+        sql = f"SELECT {_READ_HISTORY} FROM qag_history"
         if where:
             sql += " WHERE " + " AND ".join(where)
         sql += f" ORDER BY event_id DESC LIMIT {limit + 1}"
         rows = self._rows(sql, params)
-        items = [run_item(r) for r in rows[:limit]]
+        items = [history_item(r) for r in rows[:limit]]
         return items, (str(items[-1]["event_id"]) if len(rows) > limit else None)
 
     def events_after(self, event_id: int = 0, key_name: str | None = None, limit: int = 1000):
@@ -465,17 +473,18 @@ class ClickHouseRunStore:
 
 
 def _normalise(payload: bytes) -> bytes | None:
-    """A record that is not the plain 15-field array (a later minor version's extra fields, or a
+    """A record that is not the plain 16-field array (a later minor version's extra fields, or a
     non-canonical encoding): re-encoded as one, or None when it is not a run record at all."""
     try:
         t = msgpack.unpackb(payload, use_list=False, raw=False)
     except Exception:
         return None
-    if type(t) is not tuple or len(t) < NFIELDS or t[0] != VERSION:
+    if type(t) is not tuple or len(t) < RUN_NFIELDS_1_0 or t[0] != VERSION:
         return None
     from .sql import _valid
 
-    t = t[:NFIELDS]
+    # RR2: a later minor version's extra fields dropped; a 1.0 record (no `error`) read with them nil
+    t = t[:NFIELDS] if len(t) >= NFIELDS else t + _PAD[:NFIELDS - len(t)]
     if not _valid(t):
         return None
     return _packb(t)

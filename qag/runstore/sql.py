@@ -19,11 +19,11 @@ from collections import defaultdict
 
 import msgpack
 
-from ..entries import RUN_FIELDS, RUN_TYPES
+from ..entries import RUN_FIELDS, RUN_NFIELDS_1_0, RUN_TYPES
 from ..entries import RUN_NFIELDS as NFIELDS
 from ..entries import RUN_VERSION as VERSION
 from . import _items
-from ._items import READ_COLUMNS, StoreSettings, fmt_us, run_item
+from ._items import HISTORY_COLUMNS, READ_COLUMNS, StoreSettings, fmt_us, history_item, run_item
 from .eventid import EPOCH_MS, MAX_ID, id_floor, now_ms
 
 # The run record's columns: every field of qag.entries.RunRecord after `v`, in its order (a field without a
@@ -33,15 +33,19 @@ _COLUMN = {"at_us": ("at_us", "BIGINT NOT NULL"), "key_name": ("key_name", "{nam
            "status": ("status", "INTEGER NOT NULL"), "code": ("code", "TEXT"), "rows": ('"rows"', "BIGINT NOT NULL"),
            "duration_us": ("duration_us", "BIGINT NOT NULL"), "bytes": ("bytes", "BIGINT NOT NULL"),
            "request_id": ("request_id", "TEXT NOT NULL"), "served_by": ("served_by", "TEXT NOT NULL"),
-           "transport": ("transport", "TEXT NOT NULL"), "route": ("route", "TEXT NOT NULL")}
+           "transport": ("transport", "TEXT NOT NULL"), "route": ("route", "TEXT NOT NULL"),
+           "error": ("error", "TEXT")}
 _RUN_COLUMNS = tuple(_COLUMN[f] for f in RUN_FIELDS[1:])
 _COLS = ("event_id",) + tuple(c for c, _ in _RUN_COLUMNS)
 _COLLIST = ", ".join(_COLS)
 # The batch loops below (_copy_lines, decode_chunks, usage_of) read the record by position, unrolled (one f-string
 # per run: 3.7 against 6.1 us, measured); they are written for this order of the declaration.
-if RUN_FIELDS[1:] != tuple(_COLUMN) or NFIELDS != 15:
+if RUN_FIELDS[1:] != tuple(_COLUMN) or NFIELDS != 16:
     raise ImportError("qag.entries.RunRecord changed: update qag/runstore/sql.py's positional batch loops")
 _READ = ", ".join('"rows"' if c == "rows" else c for c in READ_COLUMNS)
+# History (administrators only) also reads `error`; the event stream, which a key reads too, never does.
+_READ_HISTORY = ", ".join('"rows"' if c == "rows" else c for c in HISTORY_COLUMNS)
+_PAD = (None,) * (NFIELDS - RUN_NFIELDS_1_0)
 
 _unpackb = msgpack.unpackb
 
@@ -88,7 +92,7 @@ def _copy_lines(rows) -> list[str]:
         # ints are formatted as they come: a non-int there fails COPY (DataError) and the batch
         # is retried through _valid(), so the fast path pays no per-field type checks.
         ap(f"{t[1]}\t{E[t[2]]}\t{E[t[3]]}\t{E[t[4]]}\t{E[t[5]]}\t{t[6]}\t{E[t[7]]}\t{t[8]}\t{t[9]}\t"
-           f"{t[10]}\t{rid}\t{E[t[12]]}\t{E[t[13]]}\t{E[t[14]]}\n")
+           f"{t[10]}\t{rid}\t{E[t[12]]}\t{E[t[13]]}\t{E[t[14]]}\t{E[t[15]]}\n")
     return out
 
 
@@ -160,7 +164,13 @@ def decode_chunks(chunks, lines: list | None = None):
             except Exception:
                 bad += 1
                 continue
-            if type(t) is not tuple or len(t) < NFIELDS or t[0] != VERSION:
+            if type(t) is not tuple or len(t) != NFIELDS:
+                if type(t) is not tuple or len(t) < RUN_NFIELDS_1_0:
+                    bad += 1
+                    continue
+                if len(t) < NFIELDS:  # RR2: a 1.0 record (a journal from before `error`): nil
+                    t = t + _PAD[:NFIELDS - len(t)]
+            if t[0] != VERSION:
                 bad += 1
                 continue
             ap(t)
@@ -176,10 +186,10 @@ def decode_chunks(chunks, lines: list | None = None):
                 mid = mids.get(k)
                 if mid is None:
                     mid = mids[k] = f"{E[t[2]]}\t{E[t[3]]}\t{E[t[4]]}\t{E[t[5]]}\t{t[6]}\t{E[t[7]]}"
-                k = t[12:15]
+                k = t[12:16]  # served_by, transport, route, error (nil but for failures)
                 tail = tails.get(k)
                 if tail is None:
-                    tail = tails[k] = f"{E[t[12]]}\t{E[t[13]]}\t{E[t[14]]}\n"
+                    tail = tails[k] = f"{E[t[12]]}\t{E[t[13]]}\t{E[t[14]]}\t{E[t[15]]}\n"
                 lap(f"{t[1]}\t{mid}\t{t[8]}\t{t[9]}\t{t[10]}\t{rid}\t{tail}")
     return rows, bad, positions
 
@@ -572,13 +582,13 @@ class SqlRunStore:
         if until_us is not None:
             where.append("at_us < %s")
             params.append(until_us)
-        sql = f"SELECT {_READ} FROM qag_history"
+        sql = f"SELECT {_READ_HISTORY} FROM qag_history"
         if where:
             sql += " WHERE " + " AND ".join(where)
         sql += " ORDER BY event_id DESC LIMIT %s"
         params.append(limit + 1)
         rows = self._read(sql, tuple(params))
-        items = [run_item(r) for r in rows[:limit]]
+        items = [history_item(r) for r in rows[:limit]]
         nxt = str(items[-1]["event_id"]) if len(rows) > limit else None
         return items, nxt
 

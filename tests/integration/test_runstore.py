@@ -126,7 +126,9 @@ def test_run_item_fields(loaded):
     items, _ = store.history(limit=1)
     item = items[0]
     assert list(item) == ["event_id", "at", "query", "version", "key_name", "connection_name", "status", "code",
-                          "rows", "duration_ms", "request_id", "served_by"]
+                          "rows", "duration_ms", "request_id", "served_by", "error"]
+    assert item["error"] is None  # history's own field (administrators): the database's words of a failure
+    assert "error" not in store.events_after(0, limit=1)[0], "the event stream never carries it"
     i = N - 1
     assert item["request_id"] == f"req-{i}" and item["query"] == QUERIES[i % 5] and item["version"] == 1 + i % 3
     assert item["key_name"] == KEYS[i % len(KEYS)] and item["connection_name"] == "pg"

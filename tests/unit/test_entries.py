@@ -128,7 +128,7 @@ def test_publisher_writes_plans_of_the_published_version_only_E3():
 
 def test_run_record_fields_RR1_are_declared_alike_everywhere():
     """RR1: the one Python declaration, LAYOUT.md's table, the plane's RUN_FIELDS and the vector agree."""
-    assert entries.RUN_FIELDS == entries.RunRecord._fields and entries.RUN_NFIELDS == 15
+    assert entries.RUN_FIELDS == entries.RunRecord._fields and entries.RUN_NFIELDS == 16
     table = layout_table("Run record")
     assert [f for f, _ in table] == list(entries.RUN_FIELDS)
     py_types = [t.replace(" | None", "|nil") for t in entries.RUN_TYPES]
@@ -138,12 +138,24 @@ def test_run_record_fields_RR1_are_declared_alike_everywhere():
 
 
 def test_run_record_vector_fields_RR1_RR3_RR4():
-    """The run_record.bin vector decoded field by field; RR3 v = 1; RR4 it starts with fixarray(15), 1."""
+    """The run_record.bin vector decoded field by field; RR3 v = 1; RR4 it starts with array16(16), 1."""
     raw = (VECTORS / "run_record.bin").read_bytes()
-    assert raw[:2] == b"\x9f\x01"
+    assert raw[:4] == b"\xdc\x00\x10\x01"
     rec = entries.decode_run(raw)
     assert rec._asdict() == {"v": 1, **vectors.RUN}
     assert rec.at_us == 1_700_000_000_000_000 and rec.served_by == "plane" and rec.code is None
+    assert rec.error is None
+
+
+def test_run_record_failed_vector_RR5():
+    """run_record_failed.bin: a failure with the database's words in `error` (a str8 with a non-ASCII character),
+    as every writer writes it."""
+    raw = (VECTORS / "run_record_failed.bin").read_bytes()
+    rec = entries.decode_run(raw)
+    assert rec._asdict() == {"v": 1, **vectors.RUN_FAILED}
+    assert (rec.status, rec.code, rec.error) == (500, "query_failed", 'relation "public.ordres" does not exist (é)')
+    assert entries.pack_run(*[vectors.RUN_FAILED[f] for f in entries.RUN_FIELDS[1:]]) == raw
+    assert entries.pack_run_of(vectors.RUN_FAILED, "worker:1") == raw
 
 
 def test_run_record_writers_follow_the_declaration():
@@ -164,4 +176,5 @@ def test_run_stores_columns_derive_from_the_declaration():
     assert len(sql._COLS) == entries.RUN_NFIELDS  # event_id + every field but v
     assert sql._COLS[1:] == tuple(sql._COLUMN[f][0] for f in entries.RUN_FIELDS[1:])
     assert clickhouse.INSERT_COLUMNS[5:] == [clickhouse._COLUMN[f][0] for f in entries.RUN_FIELDS]
-    assert clickhouse._RECORD_HEAD == (VECTORS / "run_record.bin").read_bytes()[:2]
+    assert clickhouse._RECORD_HEAD == (VECTORS / "run_record.bin").read_bytes()[:4]
+    assert sql._COLUMN["error"] == ("error", "TEXT") and clickhouse._COLUMN["error"] == ("error", "Nullable(String)")
