@@ -41,6 +41,7 @@ _COLUMN = {"v": ("v", "UInt8"), "at_us": ("at", "DateTime64(6, 'UTC')"),
            "duration_us": ("duration_us", "Int64"), "bytes": ("bytes", "Int64"), "request_id": ("request_id", "String"),
            "served_by": ("served_by", "LowCardinality(String)"), "transport": ("transport", "LowCardinality(String)"),
            "route": ("route", "LowCardinality(String)"),
+           # format 1.1 (LAYOUT.md [Run record] RR5); tables made before have it added by ensure_schema
            "error": ("error", "Nullable(String)")}
 _RECORD_COLUMNS = tuple(_COLUMN[f] for f in RUN_FIELDS)
 # Insert column order: the constant columns first, then what the recorder adds per row, then the record's
@@ -172,11 +173,19 @@ class ClickHouseRunStore:
         rows = self.client.query(
             "SELECT create_table_query FROM system.tables WHERE database = currentDatabase() "
             "AND name = 'qag_history_mv'").result_rows
-        if rows and f"< {thr}" not in rows[0][0]:
-            # The sample rate changed: the view is recreated by the recorder, the only writer, before
-            # it writes, so no insert runs in between.
+        if rows and (f"< {thr}" not in rows[0][0] or not all(
+                re.search(rf"\b{c}\b", rows[0][0]) for c, _ in _RECORD_COLUMNS[1:])):
+            # The sample rate changed, or the view was made before a field was appended to the run record: the
+            # view is recreated by the recorder, the only writer, before it writes, so no insert runs in between.
             self.client.command("DROP VIEW IF EXISTS qag_history_mv")
-        for stmt in self.schema_sql():
+        stmts = self.schema_sql()
+        views = [stmt for stmt in stmts if stmt.startswith("CREATE MATERIALIZED VIEW")]
+        for stmt in stmts:
+            if stmt not in views:
+                self.client.command(stmt)
+        for stmt in self._added_columns():  # before the views, which select them
+            self.client.command(stmt)
+        for stmt in views:
             self.client.command(stmt)
         # Retention settings may have changed since the tables were made.
         s = self.settings
@@ -184,6 +193,27 @@ class ClickHouseRunStore:
                             f"{int(s.events_retention_hours)} HOUR")
         self.client.command(f"ALTER TABLE qag_history MODIFY TTL toDateTime(ts) + INTERVAL "
                             f"{int(s.history_retention_days)} DAY")
+
+    def _added_columns(self) -> list[str]:
+        """Tables made before a field was appended to the run record (RR2: format 1.1 appended `error`) get its
+        column, nullable, after the field before it: ADD COLUMN changes the table's metadata only (the parts
+        already written read it as its default, null), so the upgrade costs the same on a store of any size."""
+        have: dict[str, set] = defaultdict(set)
+        for table, name in self.client.query(
+                "SELECT table, name FROM system.columns WHERE database = currentDatabase() "
+                "AND table IN ('qag_events', 'qag_history')").result_rows:
+            have[table].add(name)
+        out = []
+        for table in ("qag_events", "qag_history"):
+            for i, (col, typ) in enumerate(_RECORD_COLUMNS[1:], start=1):
+                if col not in have[table]:
+                    if not typ.startswith(("Nullable", "LowCardinality(Nullable")):
+                        raise RuntimeError(f"{table} has no column {col}, and only a nullable one can be added")
+                    if table == "qag_events":  # as schema_sql: events take plain strings
+                        typ = re.sub(r"LowCardinality\((.*?\)?)\)", r"\1", typ)
+                    out.append(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {col} {typ} "
+                               f"AFTER {_RECORD_COLUMNS[i - 1][0]}")
+        return out
 
     # -- write side ----------------------------------------------------------------------------
     def positions(self, source: str) -> dict[int, int]:

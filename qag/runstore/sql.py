@@ -34,6 +34,7 @@ _COLUMN = {"at_us": ("at_us", "BIGINT NOT NULL"), "key_name": ("key_name", "{nam
            "duration_us": ("duration_us", "BIGINT NOT NULL"), "bytes": ("bytes", "BIGINT NOT NULL"),
            "request_id": ("request_id", "TEXT NOT NULL"), "served_by": ("served_by", "TEXT NOT NULL"),
            "transport": ("transport", "TEXT NOT NULL"), "route": ("route", "TEXT NOT NULL"),
+           # format 1.1 (LAYOUT.md [Run record] RR5); a store made before has it added by ensure_schema
            "error": ("error", "TEXT")}
 _RUN_COLUMNS = tuple(_COLUMN[f] for f in RUN_FIELDS[1:])
 _COLS = ("event_id",) + tuple(c for c, _ in _RUN_COLUMNS)
@@ -337,6 +338,8 @@ class SqlRunStore:
                     if cur.fetchone()[0] is None:
                         for s in migrate:
                             cur.execute(s)
+                    for s in self._added_columns(lambda table: _pg_columns(cur, table)):
+                        cur.execute(s)
                 self.conn.commit()
             else:
                 self.conn.execute("BEGIN IMMEDIATE")
@@ -346,10 +349,30 @@ class SqlRunStore:
                     if self.conn.execute(layout).fetchone()[0] is None:
                         for s in migrate:
                             self.conn.execute(s)
+                    for s in self._added_columns(lambda table: {r[1] for r in self.conn.execute(
+                            f"PRAGMA table_info({table})")}):
+                        self.conn.execute(s)
                     self.conn.execute("COMMIT")
                 except BaseException:
                     self.conn.execute("ROLLBACK")
                     raise
+
+    @staticmethod
+    def _added_columns(columns_of) -> list[str]:
+        """A store made before a field was appended to the run record (RR2: format 1.1 appended `error`) gets
+        its column, nullable, in both run tables, in ensure_schema's transaction: an ALTER that writes no row
+        (SQLite and PostgreSQL add a nullable column without a default to the table's definition only), so the
+        upgrade costs the same on a store of any size. The runs stored before read the field as null."""
+        out = []
+        for table in ("qag_events", "qag_history"):
+            have = columns_of(table)
+            for col, typ in _RUN_COLUMNS:
+                if col.strip('"') not in have:
+                    if "NOT NULL" in typ:
+                        raise RuntimeError(f"{table} has no column {col}, and a NOT NULL column cannot be added "
+                                           "to a store that holds runs")
+                    out.append(f"ALTER TABLE {table} ADD COLUMN {col} {typ}")
+        return out
 
     # -- write side (the recorder) -------------------------------------------------------------
     def positions(self, source: str) -> dict[int, int]:
@@ -679,6 +702,12 @@ class SqlRunStore:
         out["qag_history"] = int(self._read("SELECT count(*) FROM qag_history")[0][0])
         out["usage_calls"] = int(self._read("SELECT COALESCE(sum(calls), 0) FROM qag_usage_minute")[0][0])
         return out
+
+
+def _pg_columns(cur, table: str) -> set[str]:
+    cur.execute("SELECT column_name FROM information_schema.columns WHERE table_schema = current_schema() "
+                "AND table_name = %s", (table,))
+    return {r[0] for r in cur.fetchall()}
 
 
 class _StrReader:
