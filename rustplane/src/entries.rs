@@ -34,9 +34,9 @@ pub const SPEC_FIELDS: &[&str] =
 pub const CONNECTION_FIELDS: &[&str] = &["db", "host", "port", "user", "database", "options", "active", "gen", "connect_timeout"];
 
 /// LAYOUT.md [Run record] RR1: the run record's fields, in their order in the array.
-pub const RUN_FIELDS: [&str; 15] = [
+pub const RUN_FIELDS: [&str; 16] = [
     "v", "at_us", "key_name", "query", "version", "connection", "status", "code", "rows", "duration_us", "bytes",
-    "request_id", "served_by", "transport", "route",
+    "request_id", "served_by", "transport", "route", "error",
 ];
 
 /// RR3: the run record's major version, its first field.
@@ -59,6 +59,8 @@ pub struct RunRecord<'a> {
     pub served_by: &'a str,
     pub transport: &'a str,
     pub route: &'a str,
+    /// RR5 (format 1.1): what the database said of a failed call, for administrators; None when it said nothing.
+    pub error: Option<&'a str>,
 }
 
 impl RunRecord<'_> {
@@ -81,6 +83,7 @@ impl RunRecord<'_> {
         e.str(self.served_by);
         e.str(self.transport);
         e.str(self.route);
+        e.opt_str(self.error);
         e.0
     }
 }

@@ -182,7 +182,9 @@ fn run_record_rr1_fields_order_and_bytes() {
         served_by: "plane",
         transport: "http",
         route: "/q/{name}",
+        error: None,
     };
+    assert!(field("error").is_nil(), "RR5: error nil on success");
     assert_eq!(ours.encode(), bytes, "RR1: the plane's encoder writes Python's bytes, field for field");
 }
 
@@ -200,4 +202,34 @@ fn one_convention_e4() {
     let seg = segment(&bytes);
     assert_eq!(seg.cache_get(&plan_cache_key("alice", "orders_by_id")), Some(wrapped), "C3: the slot holds the wrapped value");
     assert!(matches!(PlanEntry::load(&seg, "alice", "orders_by_id"), PlanLookup::Miss), "E4: a value that is not one map is a miss");
+}
+
+#[test]
+fn run_record_rr5_error_text_of_a_failed_call() {
+    let bytes = load("run_record_failed.bin");
+    let v = msgpack::decode(&bytes).expect("RR1: msgpack");
+    let a = v.as_array().expect("RR1: an array");
+    assert_eq!(a.len(), RUN_FIELDS.len(), "RR1: one element per declared field");
+    assert_eq!(&bytes[..4], &[0xdc, 0x00, 0x10, 0x01], "RR4: array16 of 16, v = 1");
+    let field = |name: &str| &a[RUN_FIELDS.iter().position(|f| *f == name).unwrap()];
+    assert_eq!((field("status").as_u64(), field("code").as_str()), (Some(500), Some("query_failed")), "RR1: a failure");
+    assert_eq!(field("error").as_str(), Some("relation \"public.ordres\" does not exist (é)"), "RR5: the database's words");
+    let ours = RunRecord {
+        at_us: 1_700_000_000_000_000,
+        key_name: Some("alice"),
+        query: Some("orders_by_id"),
+        version: Some(1),
+        connection: Some("main"),
+        status: 500,
+        code: Some("query_failed"),
+        rows: 0,
+        duration_us: 812,
+        bytes: 150,
+        request_id: "0123456789abcdef",
+        served_by: "worker:1",
+        transport: "http",
+        route: "/q/{name}",
+        error: Some("relation \"public.ordres\" does not exist (é)"),
+    };
+    assert_eq!(ours.encode(), bytes, "RR5: the plane's encoder writes Python's bytes for a text too");
 }

@@ -70,6 +70,9 @@ impl Shared {
             served_by: "plane",
             transport: "http",
             route: ROUTE,
+            // RR5: the plane keeps no text of the database's (a statement it sees rejected is 500 query_failed
+            // with the contract's sentence); the failures whose words matter are forwarded to Python.
+            error: None,
         }
         .encode();
         let slot = self.slot;
