@@ -101,7 +101,9 @@ RUN = {"type": "object", "properties": {
     "connection_name": {"type": ["string", "null"]}, "status": {"type": "integer"},
     "code": {"type": ["string", "null"]},
     "rows": {"type": "integer"}, "duration_ms": {"type": "number"}, "request_id": {"type": ["string", "null"]},
-    "served_by": {"type": ["string", "null"]}}}
+    "served_by": {"type": ["string", "null"]},
+    "error": {"type": ["string", "null"], "maxLength": 500,
+              "description": "history only (administrators): what the database said of a failed call"}}}
 USAGE = {"type": "object", "properties": {
     "period": {"type": "string"}, "calls": {"type": "integer"}, "errors": {"type": "integer"},
     "rows": {"type": "integer"}}}

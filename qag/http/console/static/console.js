@@ -13,6 +13,7 @@
         items.forEach(function (r) {
           var tr = document.createElement("tr");
           tr.dataset.status = r.status;
+          if (r.error) { tr.title = r.error; }  // the database's words (administrators only), as text
           [r.at, r.query, r.key_name || "(admin)", r.status, r.code, r.rows, r.duration_ms, r.request_id, r.served_by]
             .forEach(function (v) { cell(tr, v); });
           tail.appendChild(tr);
