@@ -375,3 +375,22 @@ def test_the_plane_forwards_a_quota_keys_calls(plane_srv):
     c = Caller(srv, "key", quota="4/day")
     codes = [c.get("nums", base=srv.base).status_code for _ in range(8)]
     assert codes == [200] * 4 + [429] * 4, codes
+
+
+def test_the_consoles_key_form_sets_the_limits(srv):
+    import re
+    s = requests.Session()
+    r = s.post(srv.base + "/console/login", data={"token": srv.env["QAG_ADMIN_KEY"]}, allow_redirects=False,
+               timeout=10)
+    assert r.status_code == 303, r.text
+    page = s.get(srv.base + "/console/keys", timeout=10)
+    for field in ("max_rows", "query_timeout", "max_concurrent"):
+        assert f'name="{field}"' in page.text, field
+    token = re.search(r'name="csrf" value="([^"]+)"', page.text).group(1)
+    name = _name("console")
+    r = s.post(srv.base + "/console/keys", data={"csrf": token, "action": "create", "name": name, "max_rows": "25",
+                                                 "query_timeout": "1.5", "max_concurrent": "2"},
+               headers={"Origin": srv.base}, timeout=10)
+    assert r.status_code == 200 and "sk_" in r.text, r.text[:500]
+    got = requests.get(f"{srv.base}/api/v1/api-keys/{name}", headers=srv.admin, timeout=10).json()
+    assert (got["max_rows"], got["query_timeout"], got["max_concurrent"]) == (25, 1.5, 2), got
