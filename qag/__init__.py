@@ -3,7 +3,7 @@
 The package, from the wire down (README.md, "Architecture", draws it):
 
 - `http/`: the only package that speaks HTTP (routes, the /q path, the Management API, the Console, OpenAPI).
-- `server/`: the processes, in gunicorn's vocabulary (serve, arbiter, gworker, worker, changes, eventhub).
+- `server/`: the processes, in gunicorn's vocabulary (serve, arbiter, gworker, worker, changes).
 - `auth.py` (who a call is, may it run now), `identity.py` (signed-in callers, roles), `limits.py` (rate limits
   and quotas, Redis or the segment), `capacity.py` (bounds on what a few callers may hold open).
 - `runtime.py` (a worker's generation-validated caches), `plan.py` (plans), `params.py` (markers, typed

@@ -91,13 +91,13 @@ class Usage:
 class Events:
     """Server-Sent Events of runs; a key sees its own, an administrator all. Capped per key and per instance
     (QAG_KEY_SUBSCRIBERS, QAG_MAX_SUBSCRIBERS: 503 too_many_streams); served off the request threads by the
-    worker's event hub (qag/server/eventhub.py)."""
+    worker's event hub (qag/http/eventhub.py)."""
 
     def __init__(self, app):
         self.app = app
 
     def on_get(self, req, resp):
-        from qag.server.eventhub import Feed, Subscription
+        from qag.http.eventhub import Feed, Subscription
         app = self.app
         secret = req.get_header("X-API-Key")
         p = app.auth.authenticate(secret, client_addr(req))

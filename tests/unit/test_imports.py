@@ -168,3 +168,10 @@ def test_only_the_process_side_and_the_demo_import_the_http_layer():
                  if not (m == "qag.http" or m.startswith("qag.http.") or m.startswith(HTTP_IMPORTERS))
                  for t, line in targets.items() if t == "qag.http" or t.startswith("qag.http."))
     assert not bad, "below qag/http, nothing imports it:\n" + "\n".join(bad)
+
+
+def test_http_never_imports_the_process_side():
+    """qag/server serves qag/http (the worker builds the app): the arrow runs one way."""
+    bad = [(src, dst) for src, dsts in GRAPH.items() for dst in dsts
+           if src.startswith("qag.http") and dst.startswith("qag.server")]
+    assert not bad, bad
