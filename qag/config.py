@@ -196,6 +196,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("jwt_audience", "QAG_JWT_AUDIENCE", _str, "", "Required aud of tokens (empty: not checked).", "str"),
     Setting("jwt_role_claim", "QAG_JWT_ROLE_CLAIM", _str, "role", "The claim naming a signed-in caller's role.", "str"),
     Setting("jwt_leeway_seconds", "QAG_JWT_LEEWAY_SECONDS", _nonneg_int, "30", "Clock skew allowed on exp and nbf.", "seconds"),
+    Setting("log_params", "QAG_LOG_PARAMS", _bool, "0", "Log the database's words as they are, parameter values included (default: each value replaced by [value]).", "bool"),
     Setting("slow_ms", "QAG_SLOW_MS", _nonneg_int, "0", "Log every data call slower than this many milliseconds (0: none).", "ms"),
     Setting("console_session_seconds", "QAG_CONSOLE_SESSION_SECONDS", _pos_int, "28800", "Lifetime of a Console sign-in (the session cookie and its row in the store).", "seconds"),
 )

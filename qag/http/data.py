@@ -279,7 +279,8 @@ def refused(c: Call, exc: ApiError | DomainError) -> ApiError | None:
     c.run["error"] = entries.run_error(db_text, getattr(c, "args", None))
     finish(c.app, c.req, c.run, err.status, err.code, c.t0, c.query_seconds, c.plan_hit)
     if err.status >= 500 or err.status == 403:
-        log_refusal(c.req, c.run, err, db_text)
+        # the log's words are the run's (parameter values replaced) unless QAG_LOG_PARAMS=1 asks for them
+        log_refusal(c.req, c.run, err, db_text if c.app.cfg.log_params else (c.run["error"] or ""))
     return err
 
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import requests
 
 from tests.conftest import ROOT
@@ -123,3 +124,30 @@ def test_json_logs_from_the_plane_too(server_factory, plane):
     assert any(o["msg"].startswith("listening on ") for o in plane_lines), objs
     assert all(o["logger"] == "qag.plane" and o["level"] in ("info", "warning", "error") for o in plane_lines)
     assert {"arbiter", "worker:0", "recorder", "plane"} <= {o["process"] for o in objs}
+
+
+@pytest.mark.parametrize("log_params", ["0", "1"])
+def test_the_databases_words_in_a_log_line_carry_no_parameter_value(server_factory, log_params):
+    """PostgreSQL quotes the value it could not read ('invalid input syntax for type integer: "..."'): the log
+    line replaces it with [value], as the run history does, unless QAG_LOG_PARAMS=1 asks for the words as
+    they are."""
+    from tests.conftest import pg_fresh_db
+    pg_fresh_db("qag_core_logs")
+    srv = server_factory({"QAG_LOG_LEVEL": "warning", "QAG_LOG_PARAMS": log_params}, args=("--workers", "1"))
+    post = lambda p, b: requests.post(srv.base + p, json=b, headers=srv.admin, timeout=10)  # noqa: E731
+    assert post("/api/v1/connections", {"name": "pg", "db": "postgres", "host": "127.0.0.1", "port": 5432,
+                                        "user": "postgres", "database": "qag_core_logs"}).status_code == 201
+    assert post("/api/v1/queries", {"name": "cast", "connection_name": "pg", "publish": True,
+                                    "sql": "SELECT CAST(:n AS integer) AS x",
+                                    "parameters": {"n": "str"}}).status_code == 201
+    plain = post("/api/v1/api-keys", {"name": "plain", "queries": ["*"], "connections": ["pg"]}).json()["secret"]
+    r = requests.get(srv.base + "/q/cast", params={"n": "zz-secret-31337"},
+                     headers={"X-API-Key": plain, "X-Request-Id": "rid-cast"}, timeout=10)
+    assert r.status_code == 500 and "zz-secret" not in r.text
+    time.sleep(0.5)
+    line = [x for x in srv.log().splitlines() if "rid-cast" in x]
+    assert len(line) == 1 and "invalid input syntax" in line[0], srv.log()
+    if log_params == "1":
+        assert "zz-secret-31337" in line[0]
+    else:
+        assert "zz-secret-31337" not in line[0] and "[value]" in line[0], line[0]
