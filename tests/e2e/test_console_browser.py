@@ -195,6 +195,10 @@ def test_an_operator_round_trip_in_a_real_browser(srv, browser):
     assert len(cells) == 4 and re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d", cells[0]) and int(cells[1]) > 0, cells
     assert float(cells[2]) <= float(cells[3]), cells
     assert d.find_element(By.ID, "p99-chart").get_attribute("src").startswith("data:image/svg+xml")
+    # the workers with their CPUs (pinned: one each)
+    worker_cpus = [tr.find_element(By.CSS_SELECTOR, "td.cpus").text
+                   for tr in d.find_elements(By.CSS_SELECTOR, "#slots tbody tr") if "worker" in tr.text]
+    assert worker_cpus and all(re.fullmatch(r"[0-9][0-9,\-]*", c) for c in worker_cpus), worker_cpus
     shot(d, "overview")
     for page in ("usage", "audit"):
         d.get(srv.base + f"/console/{page}")

@@ -23,3 +23,13 @@ def test_timestamps_keep_four_digit_years():
     from qag import timeutil
     assert timeutil.fmt(timeutil.parse("0231-10-13T03:44:12.533902Z")) == "0231-10-13T03:44:12.533Z"
     assert timeutil.fmt(timeutil.parse("2026-12-02T01:02:03.456789+01:00")) == "2026-12-02T00:02:03.456Z"
+
+
+def test_a_processes_cpus_as_proc_says():
+    import os
+
+    from qag.http.console import cpus_of
+    mine = cpus_of(os.getpid())
+    allowed = sorted(os.sched_getaffinity(0))
+    assert mine != "–" and str(allowed[0]) in mine
+    assert cpus_of(None) == "–" and cpus_of(2 ** 30) == "–"

@@ -321,6 +321,18 @@ def _metric_sum(text: str, name: str):
     return (int(total) if total.is_integer() else round(total, 3)) if seen else "–"
 
 
+def cpus_of(pid) -> str:
+    """The CPUs a process of this host may run on (its affinity, as /proc says: "0", "0-3,8"), or "–"."""
+    try:
+        with open(f"/proc/{int(pid)}/status") as f:
+            for line in f:
+                if line.startswith("Cpus_allowed_list:"):
+                    return line.split(":", 1)[1].strip()
+    except (OSError, ValueError, TypeError):
+        pass
+    return "–"
+
+
 def _slots(shm) -> list[dict]:
     """The segment's live process slots: role, pid, heartbeat age and ring occupancy."""
     now = time.time_ns()  # the segment's heartbeats are wall-clock ns (shm/segment.py _clock)
@@ -331,6 +343,7 @@ def _slots(shm) -> list[dict]:
         ring = sl.get("ring") or {}
         hb = sl.get("heartbeat_ns") or 0
         out.append({"slot": sl.get("slot"), "role": sl.get("role"), "pid": sl.get("pid"), "alive": sl.get("alive"),
+                    "cpus": cpus_of(sl.get("pid")),
                     "heartbeat_age_s": round((now - hb) / 1e9, 1) if hb and hb <= now else None,
                     "ring": ", ".join(f"{k} {v}" for k, v in ring.items() if isinstance(v, (int, float)))})
     return out
