@@ -8,7 +8,7 @@ use super::{Body, Shared};
 use hyper::body::Incoming;
 use hyper::header::HeaderValue;
 use hyper::{Request, Response};
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use std::cell::Cell as StdCell;
 use std::convert::Infallible;
 use std::net::{IpAddr, SocketAddr};
@@ -129,11 +129,17 @@ fn spawn_connection(sh: &Arc<Shared>, stream: tokio::net::TcpStream, addr: Socke
     }
     open.set(open.get() + 1);
     let guard = Open(open.clone());
+    let header_timeout = sh.header_timeout;
     tokio::task::spawn_local(async move {
         let _guard = guard;
         let svc = hyper::service::service_fn(move |req| handle(sh.clone(), req, peer));
+        // A client that sends its header slowly (or, kept alive, no next request) holds a task and a socket:
+        // it is disconnected after QAG_HEADER_TIMEOUT, as Python's workers do (hyper starts the timer when the
+        // connection opens and again when it waits for the next request).
         let mut conn = std::pin::pin!(hyper::server::conn::http1::Builder::new()
             .keep_alive(true)
+            .timer(TokioTimer::new())
+            .header_read_timeout(header_timeout)
             .serve_connection(TokioIo::new(stream), svc));
         let stopping = std::pin::pin!(async move {
             while !*drain.borrow_and_update() {

@@ -46,6 +46,9 @@ pub struct Shared {
     record_wait_ms: u64,
     /// QAG_PLANE_DEBUG=1: say on stderr why a data call was forwarded.
     debug: bool,
+    /// QAG_HEADER_TIMEOUT (seconds, default 10, as Python's workers): a client that has not sent a request's
+    /// whole header this long after connecting or after its last answer is disconnected.
+    header_timeout: std::time::Duration,
     producer: Mutex<record::Producer>,
 }
 
@@ -53,8 +56,17 @@ impl Shared {
     pub fn new(seg: Segment, slot: usize, upstream: Upstream, home: String, mask_key: Option<Vec<u8>>,
                admin_key: Option<String>, record_wait_ms: u64) -> Shared {
         Shared { seg, slot, upstream, home, mask_key, admin_key, record_wait_ms,
-                 debug: std::env::var("QAG_PLANE_DEBUG").is_ok_and(|v| !v.is_empty() && v != "0"), producer: Mutex::new(record::Producer::default()) }
+                 debug: std::env::var("QAG_PLANE_DEBUG").is_ok_and(|v| !v.is_empty() && v != "0"),
+                 header_timeout: header_timeout(std::env::var("QAG_HEADER_TIMEOUT").ok().as_deref()),
+                 producer: Mutex::new(record::Producer::default()) }
     }
+}
+
+/// QAG_HEADER_TIMEOUT's value (qag/config.py: a positive number of seconds, default 10; the arbiter refuses a
+/// malformed one before the plane starts, so anything unreadable here is the default).
+fn header_timeout(v: Option<&str>) -> std::time::Duration {
+    let s = v.and_then(|t| t.trim().parse::<f64>().ok()).filter(|s| s.is_finite() && *s > 0.0).unwrap_or(10.0);
+    std::time::Duration::from_secs_f64(s.min(86_400.0))
 }
 
 /// Microseconds since the epoch (a run record's `at_us`, a key entry's expiry).
@@ -117,4 +129,18 @@ fn error_response(err: &ApiError, rid: &str) -> Response<Body> {
     h.insert("cache-control", HeaderValue::from_static("no-store"));
     h.insert("x-content-type-options", HeaderValue::from_static("nosniff"));
     r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::header_timeout;
+    use std::time::Duration;
+
+    #[test]
+    fn the_header_timeout_is_qag_header_timeout_or_ten_seconds() {
+        assert_eq!(header_timeout(None), Duration::from_secs(10));
+        assert_eq!(header_timeout(Some("1.5")), Duration::from_millis(1500));
+        assert_eq!(header_timeout(Some("0")), Duration::from_secs(10));
+        assert_eq!(header_timeout(Some("nan")), Duration::from_secs(10));
+    }
 }
