@@ -84,8 +84,10 @@ class PrivatePostgres:
 
     def freeze(self) -> None:
         """SIGSTOP the postmaster and every backend: the kernel still accepts and acknowledges, nobody answers."""
-        for pid in self._pids():
+        pids = self._pids()
+        for pid in pids:
             os.kill(pid, signal.SIGSTOP)
+        wait_stopped(pids)
 
     def thaw(self) -> None:
         for pid in self._pids():
@@ -119,6 +121,32 @@ class PrivatePostgres:
             self.stop()
         finally:
             shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def wait_stopped(pids, timeout: float = 5.0) -> None:
+    """Return once every thread of every pid is stopped (state T in /proc): SIGSTOP reaches a busy process's
+    threads only when each is next scheduled, and on a loaded machine a call sent right after the kill could
+    still be answered by a thread that had not stopped yet."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        running = 0
+        for pid in pids:
+            try:
+                tasks = os.listdir(f"/proc/{pid}/task")
+            except FileNotFoundError:
+                continue
+            for tid in tasks:
+                try:
+                    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                        state = f.read().rsplit(")", 1)[1].split()[0]
+                except (FileNotFoundError, IndexError):
+                    continue
+                if state not in ("T", "t"):
+                    running += 1
+        if not running:
+            return
+        time.sleep(0.01)
+    raise RuntimeError(f"{pids} did not stop within {timeout} s")
 
 
 class PrivateMariaDB:
@@ -174,6 +202,7 @@ class PrivateMariaDB:
     def freeze(self) -> None:
         assert self.proc is not None
         os.kill(self.proc.pid, signal.SIGSTOP)
+        wait_stopped([self.proc.pid])
 
     def thaw(self) -> None:
         assert self.proc is not None
