@@ -73,8 +73,6 @@ impl From<ApiError> for Outcome {
 /// Python's 401 sentence (a key entry that is inactive, expired, or not for the caller's address).
 pub(crate) const UNAUTHORIZED: &str = "Give a valid, active API key in the X-API-Key header.";
 
-/// Python's 500 sentence when the database rejected the statement.
-pub(crate) const QUERY_FAILED: &str = "The database rejected the statement; an administrator can see why in the run history.";
 
 /// The 504 body of a statement over its limit (connectors.query_timeout).
 pub(crate) fn timeout_error(seconds: f64) -> ApiError {
@@ -89,7 +87,7 @@ pub(crate) fn timeout_error(seconds: f64) -> ApiError {
 /// How a statement failed (PostgreSQL or MySQL), in the terms the request path answers with.
 #[derive(Debug)]
 pub(crate) enum ExecError {
-    /// The database rejected the statement (500 query_failed).
+    /// The database rejected the statement (forwarded: Python answers 500 query_failed and keeps its words).
     Rejected,
     /// statement_timeout (504 query_timeout).
     Timeout,

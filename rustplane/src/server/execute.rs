@@ -1,10 +1,10 @@
 //! The database call of a served request: a session leased from the thread's pool, the statement prepared
 //! and checked against what the plane can render, executed under the client-side deadline, and retried
 //! once on a fresh session when a pooled one turns out stale. Failures become an answer (`Exec::Fail`:
-//! 500 `query_failed`, 504 `query_timeout`) or a forward (`Exec::Forward`).
+//! 504 `query_timeout`) or a forward (`Exec::Forward`: a statement the database rejects, connection trouble).
 
 use crate::entries::{ConnEntry, PlanEntry};
-use crate::error::{timeout_error, ApiError, ExecError, QUERY_FAILED};
+use crate::error::{timeout_error, ApiError, ExecError};
 use crate::mysql;
 use crate::options::Format;
 use crate::params::PVal;
@@ -24,7 +24,10 @@ pub(super) type Rows = (Vec<String>, Vec<Vec<Cell>>);
 fn exec_error(e: ExecError, plan: &PlanEntry) -> Exec {
     match e {
         ExecError::Timeout => Exec::Fail(timeout_error(plan.query_timeout)),
-        ExecError::Rejected => Exec::Fail(ApiError::new(500, "query_failed", QUERY_FAILED)),
+        // A statement the database rejects is Python's to answer: the same 500 query_failed to the caller, and
+        // a run that keeps the database's words for administrators (LAYOUT.md [Run record] RR5), which the
+        // plane does not carry. A rejected read changed nothing, so running it again there is safe.
+        ExecError::Rejected => Exec::Forward("the database rejected the statement"),
         ExecError::Stale => Exec::Forward("connection lost"),
         ExecError::Forward(why) => Exec::Forward(why),
     }

@@ -70,8 +70,8 @@ impl Shared {
             served_by: "plane",
             transport: "http",
             route: ROUTE,
-            // RR5: the plane keeps no text of the database's (a statement it sees rejected is 500 query_failed
-            // with the contract's sentence); the failures whose words matter are forwarded to Python.
+            // RR5: the plane keeps no text of the database's: a statement the database rejects, and every failure
+            // whose words matter, is forwarded to Python, which records them (execute.rs).
             error: None,
         }
         .encode();
