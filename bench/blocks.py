@@ -601,6 +601,7 @@ class Bench:
         for block in self.opts.blocks:
             if block in ('dbonly',) or (block == 'roundtrips' and not self.roundtrip_counter) \
                     or (block == 'rows' and self.rows_call is None) \
+                    or (block == 'writes' and not any(c.name.startswith(('deposit', 'write')) for c in self.calls)) \
                     or (block == 'forward' and not any(getattr(t, 'plane', False) for t in self.targets)):
                 continue
             if not any(r['block'] == block for r in rows):
