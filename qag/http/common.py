@@ -36,6 +36,11 @@ def request_id(req) -> str:
     return f"{_RID_PREFIX}{next(_rid_counter) & 0xFFFFFFFF:08x}"
 
 
+def new_request_id() -> str:
+    """A fresh request id, for an answer written before any request was read."""
+    return f"{_RID_PREFIX}{next(_rid_counter) & 0xFFFFFFFF:08x}"
+
+
 def client_addr(req) -> str | None:
     """The caller's address. Behind the data plane gunicorn listens only on a unix socket in QAG_HOME, the
     plane strips any X-Qag-Client-Addr a client sends and sets it to the caller's address: trusted then,

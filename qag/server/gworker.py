@@ -12,6 +12,7 @@ slow client holds no thread.
 from __future__ import annotations
 
 import errno
+import json
 import queue
 import select
 import socket
@@ -69,6 +70,30 @@ def _cache_per_worker() -> None:
                 hit = seen[k] = check(ip_str, allow_list, networks)
             return hit
         gmessage._ip_in_allow_list = ip_in_allow_list
+
+
+_PARSE_ERROR_CODES = {400: "bad_request", 403: "forbidden", 414: "uri_too_long", 417: "expectation_failed",
+                      431: "headers_too_large", 500: "internal_error", 501: "not_implemented"}
+
+
+def _contract_errors() -> None:
+    """gunicorn answers a request it cannot parse (an invalid method or header name, obsolete line folding,
+    headers past limit_request_field_size, a bad chunk) itself, before any application runs, with an HTML
+    page. Every error on every route has the contract's JSON shape, so its page is written as one, with a
+    fresh request id."""
+    from qag.http.common import new_request_id
+
+    def write_error(sock, status_int, reason, mesg):
+        rid = new_request_id()
+        code = _PARSE_ERROR_CODES.get(status_int, "bad_request")
+        text = f"The request could not be read: {mesg}" if status_int < 500 else "The server could not answer."
+        body = json.dumps({"error": text, "code": code,
+                           "request_id": rid}).encode()
+        head = (f"HTTP/1.1 {status_int} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nX-Request-Id: {rid}\r\nCache-Control: no-store\r\n"
+                "X-Content-Type-Options: nosniff\r\n\r\n")
+        gutil.write_nonblock(sock, head.encode("latin-1") + body)
+    gutil.write_error = write_error
 
 
 # -- what the main thread reads before a thread is committed ------------------------------------------------
@@ -209,6 +234,7 @@ class QagWorker(ThreadWorker):
     def init_process(self):
         _freeze(self.cfg)
         _cache_per_worker()
+        _contract_errors()
         q = self.qag
         threads = self.cfg.threads
         self.max_body = q.max_body_bytes if q is not None else 1 << 20

@@ -307,6 +307,42 @@ def test_bad_input_is_a_400_not_a_500(dsn):
         srv.stop()
 
 
+def raw_call(srv, request: bytes) -> tuple[int, dict, bytes]:
+    """One request sent as bytes, the answer read to its close: (status, headers, body)."""
+    with socket.create_connection(addr(srv), timeout=10) as s:
+        s.sendall(request)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), {k.lower(): v for k, v in headers.items()}, body
+
+
+def test_requests_the_server_cannot_read_get_the_contract_error():
+    """A request gunicorn refuses before the application (an invalid header name or method, obsolete line
+    folding, headers past the field limit) is answered in the contract's JSON shape, not gunicorn's HTML."""
+    srv = start_server(args=("--workers", "1"))
+    try:
+        cases = (
+            (b"GET /q/fast HTTP/1.1\r\nHost: x\r\nX-API-Key: a\r\n  folded\r\n\r\n", 400),
+            (b"GET /q/fast HTTP/1.1\r\nHost: x\r\nBad Header: 1\r\n\r\n", 400),
+            (b"G(T /q/fast HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+            (b"GET /q/fast HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n", 431),
+        )
+        for request, status in cases:
+            got, headers, body = raw_call(srv, request)
+            assert got == status, (request[:40], got, body[:200])
+            assert headers["content-type"] == "application/json", headers
+            doc = json.loads(body)
+            assert doc["code"] in ("bad_request", "headers_too_large") and doc["error"], doc
+            assert doc["request_id"] == headers["x-request-id"], (doc, headers)
+        assert requests.get(srv.base + "/health", timeout=10).status_code == 200
+    finally:
+        srv.stop()
+
+
 def test_data_answers_are_not_sniffed_or_stored_unless_cacheable(dsn):
     srv = start_server(args=("--workers", "1"))
     try:
