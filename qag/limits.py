@@ -84,7 +84,9 @@ def parse(field: str, value) -> Spec:
         count, sep, per = value.partition("/")
         per = per.strip().lower()
         per = per[:-1] if per.endswith("s") and per[:-1] in PERIODS else per
-        if not sep or not count.strip().isdigit() or not 1 <= int(count) <= MAX_COUNT or per not in PERIODS or \
+        count = count.strip()
+        if not sep or not (count.isascii() and count.isdigit()) or not 1 <= int(count) <= MAX_COUNT or \
+                per not in PERIODS or \
                 (kind == "rate" and per == "month"):
             raise ValueError(f"{field} must look like '60/minute' (a positive count, then "
                              f"{'second, minute, hour or day' if kind == 'rate' else 'minute, hour, day or month'})")
