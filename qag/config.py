@@ -6,6 +6,8 @@ test fails when the two disagree.
 from __future__ import annotations
 
 import os
+import re
+import urllib.parse
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -95,8 +97,29 @@ def _http_worker(text: str) -> str:
 
 
 def _redis_url(text: str) -> str:
-    if text and text.split("://", 1)[0] not in ("redis", "rediss", "unix"):
+    """redis://[user:password@]host[:port][/db], rediss://… or unix:///path[?db=N]; checked here, so a typo stops
+    startup with the setting's name instead of putting every host in fallback."""
+    if not text:
+        return text
+    url = urllib.parse.urlsplit(text)
+    if url.scheme not in ("redis", "rediss", "unix"):
         raise ValueError("expected a redis://, rediss:// or unix:// URL")
+    try:
+        port = url.port  # ValueError: not a number, or outside 0-65535
+    except ValueError:
+        raise ValueError("its port must be a number between 1 and 65535") from None
+    if url.scheme == "unix":
+        if not url.path:
+            raise ValueError("a unix:// URL names the socket's path, as unix:///run/redis.sock")
+    else:
+        if port == 0:
+            raise ValueError("its port must be a number between 1 and 65535")
+        db = url.path.strip("/")
+        if db and not (db.isascii() and db.isdigit()):
+            raise ValueError(f"its path is the database number (as /0), not {url.path!r}")
+    for name, values in urllib.parse.parse_qs(url.query).items():
+        if name == "db" and not all(v.isascii() and v.isdigit() for v in values):
+            raise ValueError("its db= is a database number")
     return text
 
 
@@ -236,7 +259,8 @@ def _parse(s: Setting, env) -> Any:
     try:
         return s.parse(text)
     except ValueError as exc:
-        raise SettingError(f"{s.env}={raw!r} is malformed: {exc}") from None
+        shown = re.sub(r"(://[^/@]*?:)[^/@]*@", r"\1***@", raw) if s.type_name == "url" and raw else raw
+        raise SettingError(f"{s.env}={shown!r} is malformed: {exc}") from None
 
 
 def default(name: str) -> Any:

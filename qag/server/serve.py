@@ -181,6 +181,22 @@ def _refuse_on_stop() -> None:
     gsock.close_sockets = close_sockets
 
 
+def _check_redis(url: str) -> None:
+    """Redis is asked once at start; one that does not answer is no reason to refuse calls (limits and quotas
+    are decided per host meanwhile, and moved to Redis by themselves when it answers), but the operator
+    hears of it now, not at the first limited call."""
+    import redis
+    client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    try:
+        client.ping()
+    except (redis.RedisError, OSError) as exc:
+        _say(f"qag: warning: Redis at QAG_REDIS_URL does not answer ({type(exc).__name__}: {exc}); rate limits and "
+             "quotas start per host (fallback, counted in qag_limits_fallback_total) and move to Redis when it "
+             "answers")
+    finally:
+        client.close()
+
+
 def _say(message: str, level: int = logging.WARNING) -> None:
     """A line of the start-up (before gunicorn logs anything): as it always read, or one JSON object."""
     if logs.is_json():
@@ -210,6 +226,8 @@ def run(cfg, *, pin: bool = True, plane: bool = False, plane_threads: int | None
                                                         cur.fetchone())[1]):
         _say("qag: warning: no administrator can sign in (QAG_ADMIN_KEY is empty and there is no administrator "
              "token): create one with `qag admins create NAME`")
+    if cfg.redis_url:
+        _check_redis(cfg.redis_url)
     plane_opts = None
     if plane:
         from qag.server import arbiter as _arb

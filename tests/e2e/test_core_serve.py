@@ -13,7 +13,7 @@ import time
 
 import requests
 
-from tests.conftest import ROOT, need_plane, pg_fresh_db, start_server
+from tests.conftest import ROOT, free_port, need_plane, pg_fresh_db, start_server
 
 J = {"Content-Type": "application/json"}
 PGB = "qag_core_pgbench"
@@ -135,6 +135,20 @@ def test_malformed_setting_and_unreachable_store_stop_startup():
                        env=dict(os.environ, QAG_DATABASE_URL="postgresql://postgres@127.0.0.1:1/x"),
                        capture_output=True, text=True, cwd=ROOT, timeout=30)
     assert r.returncode != 0 and "metadata store" in r.stderr
+
+
+def test_unreachable_redis_starts_in_fallback_with_a_warning():
+    """A Redis that does not answer at start is no reason to refuse calls: qag starts, says so once, and
+    serves; a malformed QAG_REDIS_URL stops it, named."""
+    r = subprocess.run([sys.executable, "-m", "qag.cli", "serve"], env=dict(os.environ, QAG_REDIS_URL="redis://:99999"),
+                       capture_output=True, text=True, cwd=ROOT, timeout=30)
+    assert r.returncode != 0 and "QAG_REDIS_URL" in r.stderr, r.stderr
+    srv = start_server({"QAG_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}, args=("--workers", "1"))
+    try:
+        assert requests.get(srv.base + "/health", timeout=10).status_code == 200
+        assert "Redis at QAG_REDIS_URL does not answer" in srv.log(), srv.log()
+    finally:
+        srv.stop()
 
 
 def test_revocation_immediate_across_workers_under_load(pgbench_dsn):

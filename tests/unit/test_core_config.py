@@ -79,3 +79,20 @@ def test_defaults_of_the_parts_a_setting_configures_are_the_settings_defaults():
     assert journal["max_bytes"].default == config.default("journal_max_bytes")
     assert journal["fsync"].default == config.default("journal_fsync")
     assert recorder["spill_after_s"].default * 1000 == config.default("journal_spill_after_ms")
+
+
+@pytest.mark.parametrize("url", ["foo", "http://x", "redis://:99999", "redis://h:0", "redis://h:port",
+                                 "redis://h/abc", "redis://h?db=x", "unix://"])
+def test_malformed_redis_url_named_without_its_password(url):
+    with pytest.raises(config.SettingError) as ei:
+        config.load({"QAG_REDIS_URL": url})
+    assert "QAG_REDIS_URL" in str(ei.value)
+    with pytest.raises(config.SettingError) as ei:
+        config.load({"QAG_REDIS_URL": url.replace("://", "://user:pw-s3cret@", 1)})
+    assert "pw-s3cret" not in str(ei.value) and "QAG_REDIS_URL" in str(ei.value)
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:6379/0", "rediss://user:pw@h:6380", "unix:///run/redis.sock",
+                                 "redis://h?db=2"])
+def test_redis_urls_accepted(url):
+    assert config.load({"QAG_REDIS_URL": url}).redis_url == url
