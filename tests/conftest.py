@@ -62,7 +62,7 @@ def pg_fresh_db(name: str) -> str:
     cur.execute(f'DROP DATABASE IF EXISTS "{name}"')
     cur.execute(f'CREATE DATABASE "{name}"')
     conn.close()
-    return f"postgresql://postgres@127.0.0.1:5432/{name}"
+    return PG_ADMIN_DSN.rsplit("/", 1)[0] + "/" + name
 
 
 def pg_exec(dsn: str, sql: str, args=()):

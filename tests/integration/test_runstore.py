@@ -16,25 +16,15 @@ import pytest
 
 from qag.entries import encode_run
 from qag.runstore import StoreSettings, open_store
+from tests.conftest import pg_fresh_db
 
-PG_ADMIN = os.environ.get("QAG_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 N = 100_000
 KEYS = [f"key{i}" for i in range(7)] + [None]
 QUERIES = [f"q{i}" for i in range(5)]
 
 
 def pg_fresh(name="qag_rec_test") -> str:
-    import psycopg2
-
-    conn = psycopg2.connect(PG_ADMIN)
-    conn.autocommit = True
-    cur = conn.cursor()
-    cur.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s "
-                "AND pid <> pg_backend_pid()", (name,))
-    cur.execute(f'DROP DATABASE IF EXISTS "{name}"')
-    cur.execute(f'CREATE DATABASE "{name}"')
-    conn.close()
-    return PG_ADMIN.rsplit("/", 1)[0] + "/" + name
+    return pg_fresh_db(name)
 
 
 def make_url(kind, tmp, db="qag_rec_test"):

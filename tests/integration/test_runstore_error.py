@@ -5,7 +5,6 @@ with a null error; a store made by the schema before `error` is upgraded in plac
 (their error null) and stores the new field from then on."""
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import time
@@ -16,7 +15,8 @@ import pytest
 from qag import entries
 from qag.runstore import StoreSettings, open_store
 
-PG_ADMIN = os.environ.get("QAG_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+from .test_runstore import make_url
+
 KINDS = ["sqlite", "postgresql", "clickhouse"]
 
 # Every character COPY text and the MsgPack body must carry: tab, newline, backslash, quotes, \N, non-ASCII, HTML.
@@ -24,30 +24,11 @@ TEXT = 'relation "public.ordres" does not exist\tat\ncharacter 15 \\N \\ \'q\' <
 LONG = "y" * entries.RUN_ERROR_MAX
 
 
-def pg_fresh(name: str) -> str:
-    import psycopg2
-
-    conn = psycopg2.connect(PG_ADMIN)
-    conn.autocommit = True
-    cur = conn.cursor()
-    cur.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s "
-                "AND pid <> pg_backend_pid()", (name,))
-    cur.execute(f'DROP DATABASE IF EXISTS "{name}"')
-    cur.execute(f'CREATE DATABASE "{name}"')
-    conn.close()
-    return PG_ADMIN.rsplit("/", 1)[0] + "/" + name
-
-
 @pytest.fixture()
 def url(request):
     kind = request.param
     tmp = tempfile.mkdtemp(prefix="qag-runerr-")
-    if kind == "sqlite":
-        yield kind, os.path.join(tmp, "runs.db")
-    elif kind == "postgresql":
-        yield kind, pg_fresh("qag_runerr_store")
-    else:
-        yield kind, f"chdb://{tmp}/ch"
+    yield kind, make_url(kind, tmp, db="qag_runerr_store")
     shutil.rmtree(tmp, ignore_errors=True)
 
 
