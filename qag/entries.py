@@ -15,6 +15,7 @@ a query is ever published as a plan entry (E3, P2).
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 import time
@@ -24,6 +25,7 @@ import msgpack
 
 from qag import params as P
 from qag import timeutil
+from shm import responses
 
 # One Packer per process: packb() builds a new Packer per call (~0.3 us more, measured).
 _pack = msgpack.Packer(use_bin_type=True, autoreset=True).pack
@@ -43,7 +45,7 @@ PLAN_ENTRY = (
     ("arg_names", "[str]"), ("specs", "[spec]"), ("transforms", "[str|nil]|nil"), ("names", "[str|nil]|nil"),
     ("page_mode", "str"), ("is_write", "bool"), ("write_ops", "[str]"), ("tables", "[str]"),
     ("gens", "[uint, uint, uint]"), ("cache_ttl", "int|nil"), ("default_page_size", "int"),
-    ("max_page_size", "int"), ("query_timeout", "float"), ("state_free", "bool"),
+    ("max_page_size", "int"), ("query_timeout", "float"), ("state_free", "bool"), ("response_prefix", "bin|nil"),
 )
 SPEC_ENTRY = (
     ("name", "str"), ("type", "str"), ("required", "bool"), ("has_default", "bool"), ("default", "any"),
@@ -102,7 +104,26 @@ def plan_entry(plan, cfg, sql_text: str, published_version: int | None = None) -
             "default_page_size": cfg.default_page_size, "max_page_size": cfg.max_page_size,
             "query_timeout": cfg.query_timeout,
             # connectors S5: false means the plane resets the session after the call (LAYOUT.md [Plan entry])
-            "state_free": bool(getattr(plan, "state_free", False))}
+            "state_free": bool(getattr(plan, "state_free", False)),
+            # LAYOUT.md [Response cache] R5: the plane appends the call's suffix to look its answer up
+            "response_prefix": response_prefix(plan) if plan.cache_ttl and not plan.is_write else None}
+
+
+def masking_fingerprint(plan) -> bytes:
+    """LAYOUT.md [Response cache] R5: 16 bytes equal for callers whose plans shape a body alike (the masking per
+    output column, the traced names it resolved, the statement and its paging), different otherwise; so callers
+    with identical masking share cached answers and a masked caller never reads an unmasked one."""
+    names = getattr(plan, "names", None)
+    shape = [list(plan.transforms) if plan.transforms is not None else None,
+             list(names) if names is not None else None, plan.sql, plan.page_mode]
+    return hashlib.sha256(_pack(shape)).digest()[:16]
+
+
+def response_prefix(plan) -> bytes:
+    """R5's prefix of a plan's cached answers: query, version, connection, the query's and the connection's
+    generations it was built from, the masking fingerprint."""
+    return responses.prefix(plan.query, plan.version, plan.connection, plan.gens[1], plan.gens[2],
+                            masking_fingerprint(plan))
 
 
 def _spec(s) -> dict:

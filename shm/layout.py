@@ -14,7 +14,7 @@ if sys.byteorder != "little":  # LAYOUT.md [Byte order]: native 8-byte stores ar
 # [Header] the magic word: u32 magic, u16 major, u16 minor, published by one 8-byte store, written last.
 MAGIC = 0x53474151  # b"QAGS" read as a little-endian u32
 MAJOR = 1
-MINOR = 0
+MINOR = 1  # 1.1: region 7, `responses` (LAYOUT.md [Response cache])
 
 PAGE = 4096
 LINE = 64  # cache line; hot fields each get their own
@@ -50,8 +50,9 @@ H_HIST_BUCKETS = 104
 H_RING_STRIDE = 108
 # [Header] region table: REGION_COUNT x (u64 offset, u64 size)
 H_REGIONS = 128
-REGION_NAMES = ("slot_meta", "generations", "series", "counters", "cache_tags", "cache", "rings")
+REGION_NAMES = ("slot_meta", "generations", "series", "counters", "cache_tags", "cache", "rings", "responses")
 REGION_COUNT = len(REGION_NAMES)
+REGION_COUNT_1_0 = 7  # a 1.0 segment has no `responses` region
 # [Header] histogram upper bounds: HIST_MAX x f64, unused entries zero, +Inf last used entry
 H_HIST_BOUNDS = 256
 HIST_MAX = 32
@@ -106,6 +107,25 @@ CS_WRITER_PID = 24  # u32
 CS_KEY_CRC = 28  # u32, crc32(key)
 CACHE_SLOT_FIELDS = struct.Struct("<IIQII")  # key_len, value_len, stamp, writer_pid, key_crc at +8
 
+# [Response cache] region 7: header page (R2), index (R3), arena of records (R4)
+RESP_MIN_SIZE = 65536
+RESP_WAYS = 8
+RESP_WAY_SIZE = 32  # u64 hash, u64 pos, u64 hits, 8 reserved
+RESP_MAX_RECORD = 1024 * 1024
+RESP_FILL_SLOTS = 64
+RESP_FILL_OFFSET = 2048
+RESP_HEADER_FIELDS = ((0, "capacity"), (8, "arena_offset"), (16, "index_offset"), (24, "index_buckets"),
+                      (32, "index_ways"), (40, "max_record"), (48, "fill_slots"), (56, "fill_offset"))
+RESP_WPOS = 64  # u64, own line
+RESP_WLIMIT = 128  # u64, own line
+RESP_STATS = ((192, "tail"), (200, "dirty"), (208, "live_bytes"), (216, "live_entries"), (224, "puts"),
+              (232, "evictions"), (240, "rejects"), (248, "repairs"), (256, "removals"), (264, "refreshes"))
+RESP_MAGIC = 0x52474151  # b"QAGR"
+RESP_PAD_MAGIC = 0x50474151  # b"QAGP"
+# R4: magic, length, key_hash, key_len, body_len, created_at_ns, expires_at_ns, ttl_s, rows, flags, writer_pid, etag
+RESP_RECORD = struct.Struct("<IIQIIQQIIII16s8x")
+RESP_RECORD_HEADER = RESP_RECORD.size  # 80
+
 # [Series] interned series table
 SERIES_ENTRY_SIZE = 256
 SE_FIELDS = struct.Struct("<IHBBH6x")  # cell_index, cell_count, kind, reserved, desc_len  (16 bytes)
@@ -150,7 +170,19 @@ class Geometry:
         return self.regions[REGION_NAMES.index(name)]
 
 
-def geometry(size: int | None = None, slots: int = 16, cache_slot_size: int = CACHE_SLOT_SIZE) -> Geometry:
+def max_responses_size(size: int, slots: int = 16) -> int:
+    """The largest `responses_size` [Geometry] accepts for a segment of `size` bytes: half of what the first four
+    regions leave, rounded down to a page."""
+    small = size < SMALL_PROFILE_BELOW
+    fixed = HEADER_SIZE + sum((
+        _round_up(slots * SLOT_META_SIZE, PAGE), _round_up(len(GEN_KINDS) * (256 if small else 4096) * 8, PAGE),
+        _round_up((128 if small else 2048) * SERIES_ENTRY_SIZE, PAGE),
+        _round_up(slots * (1024 if small else 8192) * 8, PAGE)))
+    return max(0, (size - fixed) // 2 // PAGE * PAGE)
+
+
+def geometry(size: int | None = None, slots: int = 16, cache_slot_size: int = CACHE_SLOT_SIZE,
+             responses_size: int = 0) -> Geometry:
     """Derive the regions deterministically; the result is recorded in the header so readers never recompute it."""
     size = DEFAULT_SIZE if size is None else int(size)
     if size < MIN_SIZE or size % PAGE:
@@ -173,7 +205,13 @@ def geometry(size: int | None = None, slots: int = 16, cache_slot_size: int = CA
     ):
         regions.append((off, region_size))
         off += region_size
-    remaining = size - off
+    if responses_size and (responses_size % PAGE or responses_size < RESP_MIN_SIZE):
+        raise ValueError(f"the response cache is 0 or a multiple of {PAGE} of at least {RESP_MIN_SIZE} bytes, "
+                         f"not {responses_size}")
+    if responses_size > (size - off) // 2:
+        raise ValueError(f"a response cache of {responses_size} bytes does not fit in a segment of {size} bytes "
+                         f"(at most {max_responses_size(size, slots)})")
+    remaining = size - off - responses_size
     per_ring = min(remaining // 2 // slots - RING_HEADER_SIZE, MAX_RING_CAPACITY)
     ring_capacity = 1 << (per_ring.bit_length() - 1) if per_ring > 0 else 0
     if ring_capacity < PAGE:
@@ -193,6 +231,8 @@ def geometry(size: int | None = None, slots: int = 16, cache_slot_size: int = CA
     off += cache_size
     regions.append((off, rings_size))
     off += rings_size
+    regions.append((off, responses_size))
+    off += responses_size
     assert off <= size
     return Geometry(size, slots, gen_slots, series_max, cells_per_slot, cache_slot_size, cache_slot_count,
                     ring_capacity, ring_stride, tuple(regions))

@@ -21,6 +21,8 @@ from . import layout as L
 from .fence import MODE as FENCE_MODE
 from .fence import fence
 from .lock import LockTimeout, WriterLock, owner_alive, proc_start
+from .responses import Responses
+from .responses import write_header as _write_responses_header
 from .ring import Ring
 
 CACHE_READ_RETRIES = 64  # LAYOUT.md [Cache] C4: a reader never waits for a writer; after this many tries it is a miss
@@ -91,6 +93,7 @@ def _write_header(q: memoryview, mm: Any, g: L.Geometry, pid: int, start: int, n
         L.REGION.pack_into(mm, L.H_REGIONS + 16 * i, off, size)
     for i, bound in enumerate(L.HIST_BOUNDS):
         L.F64.pack_into(mm, L.H_HIST_BOUNDS + 8 * i, bound)
+    _write_responses_header(mm, *g.region("responses"))  # [Response cache] R1/R2, before the magic word too
 
 
 def _read_geometry(mm: Any, size: int) -> L.Geometry:
@@ -100,6 +103,8 @@ def _read_geometry(mm: Any, size: int) -> L.Geometry:
         raise LayoutError(f"segment header says {total} bytes but the object has {size}")
     slots = u32(L.H_SLOTS)
     regions = tuple(L.REGION.unpack_from(mm, L.H_REGIONS + 16 * i) for i in range(u32(L.H_REGION_COUNT)))
+    if len(regions) == L.REGION_COUNT_1_0:  # a 1.0 segment: no response cache
+        regions += ((regions[-1][0] + regions[-1][1], 0),)
     if len(regions) < L.REGION_COUNT or any(off + sz > size for off, sz in regions):
         raise LayoutError("segment region table is inconsistent with its size")
     return L.Geometry(size, slots, u32(L.H_GEN_SLOTS), u32(L.H_SERIES_MAX), u32(L.H_CELLS_PER_SLOT),
@@ -172,15 +177,16 @@ class Segment:
         self._by_norm: dict[tuple, tuple[int, int]] = {}  # (name, sorted labels) -> (kind, cell)
         self._decoded: list[tuple[int, str, tuple, int, int]] = []  # (kind, name, labels, cell, ncells)
         self._slot_meta_off = g.region("slot_meta")[0]
+        self._responses: Responses | None = None
 
     # ---- life ----------------------------------------------------------------------------------------------
 
     @classmethod
     def create(cls, name: str, size: int | None = None, slots: int = 16, *,
-               cache_slot_size: int = L.CACHE_SLOT_SIZE, force: bool = False) -> Segment:
+               cache_slot_size: int = L.CACHE_SLOT_SIZE, force: bool = False, responses_size: int = 0) -> Segment:
         """LAYOUT.md [Life]: make the segment, replacing a stale one (its creator is dead); magic word last."""
         _check_name(name)
-        g = L.geometry(size, slots, cache_slot_size)
+        g = L.geometry(size, slots, cache_slot_size, responses_size)
         try:
             old = posix_ipc.SharedMemory(name)
         except posix_ipc.ExistentialError:
@@ -258,9 +264,9 @@ class Segment:
 
     @classmethod
     def in_buffer(cls, buf: bytearray, slots: int = 2, *, pid: int = 4242, now_ns: int = 1_700_000_000_000_000_000,
-                  cache_slot_size: int = L.CACHE_SLOT_SIZE) -> Segment:
+                  cache_slot_size: int = L.CACHE_SLOT_SIZE, responses_size: int = 0) -> Segment:
         """A segment formatted in a private buffer with a fixed pid and clock: the golden vectors (shm.vectors)."""
-        g = L.geometry(len(buf), slots, cache_slot_size)
+        g = L.geometry(len(buf), slots, cache_slot_size, responses_size)
         seg = cls("(buffer)", buf, g)
         seg._clock = lambda: now_ns
         seg._getpid = lambda: pid
@@ -275,6 +281,7 @@ class Segment:
         if self._mv is None:
             return
         self._rings.clear()
+        self._responses = None
         for view in (self._q, self._d, self._i, self._mv):
             view.release()
         self._mv = None  # type: ignore[assignment]
@@ -299,9 +306,20 @@ class Segment:
         word = self._q[0]
         return f"{word >> 32 & 0xFFFF}.{word >> 48}"
 
+    @property
+    def responses(self) -> Responses:
+        """The response cache region ([Response cache]); `enabled` is false when the segment has none."""
+        r = self._responses
+        if r is None:
+            off, size = self.geometry.region("responses")
+            r = self._responses = Responses(self._mm, self._q, off, size, self._lock, self._getpid, self._clock)
+        return r
+
     def _after_takeover(self) -> None:
         """LAYOUT.md [Writer lock] K4: the dead owner may have left its cache slot odd, or published it
-        without its tag or occupancy count; discard or finish it."""
+        without its tag or occupancy count; discard or finish it. [Response cache] R14: or a put half done."""
+        if self.geometry.region("responses")[1]:
+            self.responses.repair()
         q = self._q
         dirty = q[L.L_DIRTY_CACHE_SLOT // 8]
         if dirty:
@@ -719,6 +737,7 @@ class Segment:
             "regions": {n: {"offset": o, "size": sz} for n, (o, sz) in zip(L.REGION_NAMES, g.regions)},
             "generations": gens,
             "cache": self.cache_stats(),
+            "responses": self.responses.stats(),
             "series": {"count": q[L.H_SERIES_COUNT // 8], "max": g.series_max,
                        "cells_used": q[L.H_CELLS_USED // 8], "cells_per_slot": g.cells_per_slot},
             "lock": {"owner_pid": q[L.L_OWNER_PID // 8], "acquisitions": q[L.L_SEQ // 8],

@@ -56,6 +56,17 @@ RUN_FAILED = {**RUN, "status": 500, "code": "query_failed", "rows": 0, "bytes": 
               "error": 'relation "public.ordres" does not exist (é)'}
 
 
+# [Response cache]: a 64 KiB region on its own (offsets are the region's), alice's two cached answers, then fillers
+# that lap the arena: the first answer is evicted, the second was refreshed (R11) and stays.
+RESPONSES_SIZE = 65536
+ANSWER_ARGS = (42,)  # orders_by_id?id=42, json, page 1, page size 100
+ANSWER_BODY = b'[{"id":42,"total":"****"}]'
+TYPES_ARGS = (None, False, True, -7, 1.5, "\u00e9 x")  # one argument of each tag (R5)
+TYPES_BODY = b"id,total\r\n1,****\r\n2,****\r\n"
+FILLER_BODY = 6000  # bytes of each filler's body ("F" * 6000)
+FILLERS = 12
+
+
 def entry_vectors() -> dict[str, bytes]:
     """key_entry.bin, plan_entry.bin, connection_entry.bin, run_record.bin: as qag/entries.py writes them."""
     from types import SimpleNamespace
@@ -66,18 +77,57 @@ def entry_vectors() -> dict[str, bytes]:
 
     pack = msgpack.Packer(use_bin_type=True).pack  # the writers' packer (qag/entries.py)
     plan = SimpleNamespace(**PLAN, specs=params.build_specs(PLAN_PARAMS))
+    cached = SimpleNamespace(**{**PLAN, "cache_ttl": 60}, specs=params.build_specs(PLAN_PARAMS))
     return {
         "key_entry.bin": pack(entries.key_entry(KEY_ROW, False, 2)),
         "plan_entry.bin": pack(entries.plan_entry(plan, SimpleNamespace(**PLAN_CFG), PLAN_SQL, 1)),
+        # the same plan of a query with cache_ttl 60: its response_prefix (LAYOUT.md [Response cache] R5)
+        "plan_entry_cached.bin": pack(entries.plan_entry(cached, SimpleNamespace(**PLAN_CFG), PLAN_SQL, 1)),
         "connection_entry.bin": pack(entries.connection_entry(CONNECTION_ROW, 1, 3.0)),
         "run_record.bin": entries.encode_run(**RUN),
         "run_record_failed.bin": entries.encode_run(**RUN_FAILED),
     }
 
 
+def response_vectors(prefix: bytes) -> dict[str, bytes]:
+    """response_key.bin, response_key_types.bin and responses.bin (LAYOUT.md [Response cache], [Golden vectors])."""
+    from . import responses as R
+
+    key = prefix + R.suffix("json", 1, 100, ANSWER_ARGS)
+    types_key = prefix + R.suffix("csv", 2, 5, TYPES_ARGS)
+    buf = bytearray(RESPONSES_SIZE)
+    R.write_header(buf, 0, RESPONSES_SIZE)
+    lock = _BufferLock()
+    rc = R.Responses(buf, memoryview(buf).cast("Q"), 0, RESPONSES_SIZE, lock, lambda: PID, lambda: NOW_NS)
+    etag = lambda body: hashlib.blake2b(body, digest_size=16).digest()  # noqa: E731  (qag's validator)
+    assert rc.put(key, R.key_hash(key), ANSWER_BODY, rows=1, has_more=False, ttl_s=60, etag=etag(ANSWER_BODY))
+    assert rc.put(types_key, R.key_hash(types_key), TYPES_BODY, rows=2, has_more=True, ttl_s=30,
+                  etag=etag(TYPES_BODY))
+    for i in range(FILLERS):
+        filler = prefix + R.suffix("json", 1, 100, (1000 + i,))
+        assert rc.put(filler, R.key_hash(filler), b"F" * FILLER_BODY, rows=100, has_more=True, ttl_s=60,
+                      etag=etag(b"F" * FILLER_BODY))
+        if i == 4:  # the types answer is now in the older half: served, it is re-appended (R11)
+            rec = rc.get(types_key, R.key_hash(types_key))
+            rc.hit(rec)
+            assert rc.refresh(types_key, R.key_hash(types_key), rec)
+    assert rc.get(key, R.key_hash(key)) is None and rc.get(types_key, R.key_hash(types_key)) is not None
+    return {"response_key.bin": key, "response_key_types.bin": types_key, "responses.bin": bytes(buf)}
+
+
+class _BufferLock:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
 def build() -> dict[str, bytes]:
     """The vector files by name."""
     vectors = entry_vectors()
+    import msgpack
+    vectors.update(response_vectors(msgpack.unpackb(vectors["plan_entry_cached.bin"])["response_prefix"]))
     buf = bytearray(SIZE)
     seg = Segment.in_buffer(buf, SLOTS, pid=PID, now_ns=NOW_NS)
     seg.bump("key", "alice")

@@ -23,7 +23,7 @@ pub const KEY_FIELDS: &[&str] = &["name", "active", "expires_at_us", "allowed_ip
 pub const PLAN_FIELDS: &[&str] = &[
     "query", "version", "published_version", "connection", "dialect", "sql_native", "sql_driver", "sql_pieces",
     "arg_names", "specs", "transforms", "names", "page_mode", "is_write", "write_ops", "tables", "gens", "cache_ttl",
-    "default_page_size", "max_page_size", "query_timeout", "state_free",
+    "default_page_size", "max_page_size", "query_timeout", "state_free", "response_prefix",
 ];
 
 /// LAYOUT.md [Plan entry] `specs`: each declared parameter, as `Spec::from_value` reads it (E4).

@@ -46,13 +46,13 @@ fn header_h1_and_geometry() {
     let word = m.load_u64(0, Acquire);
     assert_eq!(word & 0xFFFF_FFFF, 0x5347_4151, "H1: magic QAGS");
     assert_eq!(word >> 32 & 0xFFFF, 1, "H1: major 1");
-    assert_eq!(word >> 48, 0, "H1: minor 0");
+    assert_eq!(word >> 48, 1, "H1: minor 1 (layout 1.1: the responses region)");
     assert_eq!(&bytes[..], &load("segment.bin")[..4096], "header.bin is the segment's first page");
     assert_eq!(m.load_u64(H_TOTAL_SIZE, Relaxed), 1 << 20, "[Header] total_size");
     assert_eq!(m.load_u64(H_CREATED_AT_NS, Relaxed), 1_700_000_000_000_000_000, "[Header] created_at_ns");
     assert_eq!(m.load_u32(H_CREATOR_PID, Relaxed), 4242, "[Header] creator_pid");
     assert_eq!(m.load_u32(H_HEADER_SIZE, Relaxed), 4096, "[Header] header_size");
-    assert_eq!(m.load_u32(H_REGION_COUNT, Relaxed), 7, "[Header] region_count");
+    assert_eq!(m.load_u32(H_REGION_COUNT, Relaxed), 8, "[Header] region_count (1.1: responses)");
     let g = &seg.g;
     assert_eq!((g.slots, g.gen_slots, g.series_max, g.cells_per_slot), (2, 256, 128, 1024), "[Geometry] small profile");
     assert_eq!((g.cache_ways, g.cache_slot_size, g.cache_slot_count), (8, 4096, 168), "[Geometry] cache");
@@ -77,7 +77,7 @@ fn l3_refuses_other_major_and_uninitialised() {
     let mut bytes = load("segment.bin");
     bytes[4..6].copy_from_slice(&2u16.to_le_bytes());
     let err = Segment::from_mapping("v2", Mapping::from_bytes(&bytes)).err().expect("major 2 refused");
-    assert!(err.0.contains("layout version 2.0") && err.0.contains("1.0"), "L3 names both versions: {}", err.0);
+    assert!(err.0.contains("layout version 2.1") && err.0.contains("1.0"), "L3 names both versions: {}", err.0);
     let mut bytes = load("segment.bin");
     bytes[6..8].copy_from_slice(&7u16.to_le_bytes());
     assert!(Segment::from_mapping("minor", Mapping::from_bytes(&bytes)).is_ok(), "L3: a higher minor is accepted");

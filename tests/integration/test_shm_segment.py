@@ -60,7 +60,7 @@ def test_create_attach_unlink(name):
     seg = Segment.create(name, SIZE, slots=4)
     other = Segment.attach(name)
     st = other.stat()
-    assert st["layout_version"] == f"{shm.MAJOR}.{shm.MINOR}" == "1.0"
+    assert st["layout_version"] == f"{shm.MAJOR}.{shm.MINOR}" == "1.1"
     assert st["size"] == SIZE and st["slots"] == 4 and st["creator_pid"] == os.getpid()
     assert other.ring_count() == 4
     assert Path("/dev/shm", name[1:]).exists()
@@ -140,7 +140,7 @@ def test_major_version_mismatch_refused_naming_both(name):
         _raw_word(name, 0, (word & 0xFFFFFFFF) | 2 << 32 | 3 << 48)
         with pytest.raises(LayoutError) as e:
             Segment.attach(name)
-        assert "2.3" in str(e.value) and "1.0" in str(e.value)
+        assert "2.3" in str(e.value) and "1.1" in str(e.value)
         _raw_word(name, 0, (word & 0xFFFFFFFF) | 1 << 32 | 7 << 48)  # a newer minor is accepted
         newer = Segment.attach(name)
         assert newer.version == "1.7"

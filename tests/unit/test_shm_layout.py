@@ -11,7 +11,7 @@ import pytest
 VECTORS = Path(__file__).resolve().parents[2] / "shm" / "vectors"
 SEG = (VECTORS / "segment.bin").read_bytes()
 CRASHED = (VECTORS / "segment_crashed.bin").read_bytes()
-REGION_NAMES = ("slot_meta", "generations", "series", "counters", "cache_tags", "cache", "rings")
+REGION_NAMES = ("slot_meta", "generations", "series", "counters", "cache_tags", "cache", "rings", "responses")
 BOUNDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
           float("inf"))
 
@@ -33,12 +33,12 @@ def region(buf: bytes, name: str) -> tuple[int, int]:
 
 
 def test_header_magic_word_H1():
-    """[Header] H1: magic 'QAGS' then major 1, minor 0 in one little-endian u64 at offset 0."""
+    """[Header] H1: magic 'QAGS' then major 1, minor 1 in one little-endian u64 at offset 0."""
     assert SEG[0:4] == b"QAGS"
     word = u64(SEG, 0)
     assert word & 0xFFFFFFFF == 0x53474151
     assert (word >> 32) & 0xFFFF == 1
-    assert word >> 48 == 0
+    assert word >> 48 == 1  # [Versions] 1.1: the responses region
     assert (VECTORS / "header.bin").read_bytes() == SEG[:4096]
 
 
@@ -49,7 +49,7 @@ def test_header_identity_fields():
     assert u32(SEG, 24) == 4242
     assert u32(SEG, 28) == 2
     assert u32(SEG, 32) == 4096
-    assert u32(SEG, 36) == 7
+    assert u32(SEG, 36) == 8  # 1.1: region 7, responses
     assert SEG[48:64] == bytes(16)  # reserved stays zero
 
 
@@ -88,6 +88,7 @@ def test_region_table_geometry():
     off += rnd(8 * sets * slot_size)
     assert region(SEG, "rings") == (off, slots * stride)
     assert off + slots * stride <= len(SEG)
+    assert region(SEG, "responses") == (off + slots * stride, 0)  # the vector segment has no response cache
     for name in REGION_NAMES:
         assert region(SEG, name)[0] % 4096 == 0
 
