@@ -8,14 +8,24 @@ segment when Redis is not configured or not answering.
   so the hosts together admit at most the limit; a call waits for no other host.
 - **Quotas** (`quota: "N/period"` or QueryAPIGate's `{"calls": N, "rows": M, "per": "day"}`; periods minute, hour,
   day and month, aligned to UTC) are counters in Redis under the period's start, so they are exact across hosts
-  and restarts: each call is one atomic increment-if-below (a quota is a promise about a total, so it is never
-  leased); rows are added after the call and a key already over its rows is refused before the next one runs.
-- **Redis down or slow** (`SOCKET_TIMEOUT_S`): the call is decided by the per-host segment windows instead (never
-  open, never a 5xx), the fallback is counted (`qag_limits_fallback_total`) and logged once per outage, and Redis is
-  tried again after `RETRY_S`.
+  and restarts. The counters hold what is *taken*: units spent plus units leased and not yet spent. A worker takes
+  a lease of min(`LEASE_CAP`, max(1, left // `LEASE_DIV`)) units from what is left (one atomic script: it never
+  grants more than is left, so the hosts together never admit more than N), spends it locally, and gives back
+  what it did not spend when the lease ends (`LEASE_S`, the period's end, or the worker's stop), in the same
+  script call as its next lease. Far from the limit a quota'd call costs no round trip; within 256 x 2 units of
+  it every lease is one unit, taken by the call that spends it: exact per-call counting. A rows quota leases rows
+  the same way: a call is admitted while the lease has rows, its rows are spent after it, and rows beyond the
+  lease go to Redis at once, so every host sees them before its next lease. A lease given back to a Redis that
+  lost the counters (restarted, flushed: the period's epoch token differs) is dropped, never subtracted from
+  counters it was not taken from. A worker that dies without stopping strands at most one lease per quota (at
+  most `LEASE_CAP` units, never more than 1/256 of what was left): the quota then under-admits by that much.
+- **Redis down or slow** (`SOCKET_TIMEOUT_S`): a lease already held is still spent (its units are counted in
+  Redis); otherwise the call is decided by the per-host segment windows (never open, never a 5xx), the fallback is
+  counted (`qag_limits_fallback_total`) and logged once per outage, and Redis is tried again after `RETRY_S`.
 
 Every limited answer carries `RateLimit-Limit`, `RateLimit-Remaining` and `RateLimit-Reset` (the IETF draft's
-names) for the tightest of the key's limits; a 429 carries `Retry-After`.
+names) for the tightest of the key's limits; a quota's Remaining is the counter's (the limit less what every host
+has taken, plus what this worker's lease still holds), not the lease's; a 429 carries `Retry-After`.
 """
 from __future__ import annotations
 
@@ -23,13 +33,16 @@ import calendar
 import logging
 import threading
 import time
+import uuid
 
 from qag.errors import ApiError
 
 log = logging.getLogger("qag.limits")
 
 LEASE_S = 1.0
-SOCKET_TIMEOUT_S = 0.05
+LEASE_DIV = 256     # a quota lease is at most 1/LEASE_DIV of what is left ...
+LEASE_CAP = 1024    # ... and at most this many units
+SOCKET_TIMEOUT_S = 0.25   # "slow": a loaded host stalls Redis replies past 50 ms; leases make these waits rare
 RETRY_S = 2.0
 PERIODS = {"second": 1, "minute": 60, "hour": 3600, "day": 86400, "month": None}
 
@@ -53,14 +66,36 @@ local t = tonumber(redis.call('HGET', KEYS[1], 't'))
 if t ~= nil then redis.call('HSET', KEYS[1], 't', math.min(tonumber(ARGV[2]), t + tonumber(ARGV[1]))) end
 return 1
 """
-# KEYS[1] calls counter, KEYS[2] rows counter; ARGV calls limit (0: none), rows limit (0: none), ttl s.
-# Returns {admitted 0/1, calls used, rows used}.
-_QUOTA = """
+# A quota's lease: give back what the previous one left, then (take = 1) lease a new block.
+# KEYS[1] calls taken, KEYS[2] rows taken, KEYS[3] the period's epoch token (made with the counters: a lease
+# given back to another epoch's counters is dropped). ARGV: calls limit (0: none), rows limit (0: none), take
+# (0/1), the given-back lease's epoch, calls given back (>= 0), rows given back (> 0: unspent; < 0: spent beyond
+# the lease, added whatever the epoch), ttl s, a new epoch token, divisor, cap.
+# Returns {admitted 0/1, calls leased, rows leased, calls taken, rows taken, epoch}.
+_QLEASE = """
+local climit = tonumber(ARGV[1]); local rlimit = tonumber(ARGV[2]); local ttl = tonumber(ARGV[7])
+local div = tonumber(ARGV[9]); local cap = tonumber(ARGV[10])
+local e = redis.call('GET', KEYS[3])
+if not e then e = ARGV[8]; redis.call('SET', KEYS[3], e, 'EX', ttl) end
 local calls = tonumber(redis.call('GET', KEYS[1]) or '0'); local rows = tonumber(redis.call('GET', KEYS[2]) or '0')
-local climit = tonumber(ARGV[1]); local rlimit = tonumber(ARGV[2])
-if (climit > 0 and calls >= climit) or (rlimit > 0 and rows >= rlimit) then return {0, calls, rows} end
-calls = redis.call('INCR', KEYS[1]); redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
-return {1, calls, rows}
+local dc = 0; local dr = 0
+local bc = tonumber(ARGV[5]); local br = tonumber(ARGV[6])
+if ARGV[4] == e then
+  if bc > 0 then dc = -math.min(bc, calls) end
+  if br > 0 then dr = -math.min(br, rows) end
+end
+if br < 0 then dr = -br end
+local ok = 0; local gc = 0; local gr = 0
+calls = calls + dc; rows = rows + dr
+if ARGV[3] == '1' and (climit == 0 or calls < climit) and (rlimit == 0 or rows < rlimit) then
+  ok = 1
+  if climit > 0 then gc = math.min(cap, math.max(1, math.floor((climit - calls) / div)), climit - calls) end
+  if rlimit > 0 then gr = math.min(cap, math.max(1, math.floor((rlimit - rows) / div)), rlimit - rows) end
+  dc = dc + gc; dr = dr + gr; calls = calls + gc; rows = rows + gr
+end
+if dc ~= 0 then redis.call('INCRBY', KEYS[1], dc); redis.call('EXPIRE', KEYS[1], ttl) end
+if dr ~= 0 then redis.call('INCRBY', KEYS[2], dr); redis.call('EXPIRE', KEYS[2], ttl) end
+return {ok, gc, gr, calls, rows, e}
 """
 
 
@@ -117,13 +152,38 @@ def period_bounds(spec: Spec, now: float) -> tuple[float, float]:
 
 
 class Decision:
-    """What a call's limits said: headers for the answer, and the quota keys to add rows to afterwards."""
+    """What a call's limits said: headers for the answer, and the quota leases its rows are spent from."""
 
     __slots__ = ("headers", "rows_keys")
 
     def __init__(self):
         self.headers: dict[str, str] | None = None
-        self.rows_keys: list[tuple[str, int]] = []
+        self.rows_keys: list[QuotaLease] = []
+
+
+class QuotaLease:
+    """A worker's lease on one quota period's counters: `calls` and `rows` still to spend here (None: no such
+    limit), the epoch of the counters it was taken from, and what the counters held when it was taken."""
+
+    __slots__ = ("base", "calls", "climit", "epoch", "expires", "live", "rlimit", "rows", "taken_calls",
+                 "taken_rows", "ttl")
+
+    def __init__(self, base, climit, rlimit, ttl):
+        self.base, self.climit, self.rlimit, self.ttl = base, climit, rlimit, ttl
+        self.calls = self.rows = 0
+        self.taken_calls = self.taken_rows = 0
+        self.epoch = ""
+        self.expires = 0.0
+        self.live = True
+
+    def keys(self):
+        return [self.base + ":calls", self.base + ":rows", self.base + ":e"]
+
+    def remaining(self):
+        """What the counters leave (every host's leases counted as taken), plus what this lease still holds."""
+        if self.climit:
+            return self.climit, self.climit - self.taken_calls + self.calls
+        return self.rlimit, self.rlimit - self.taken_rows + max(0, self.rows)
 
 
 class Limiter:
@@ -134,11 +194,15 @@ class Limiter:
         self.fallback = fallback
         self.observe_fallback = observe_fallback or (lambda reason: None)
         self._client = None
-        self._take = self._give = self._quota = None
+        self._take = self._give = self._qlease = None
         self._down_until = 0.0
         self._logged_down = False
         self._lock = threading.Lock()
-        self._leases: dict[str, list] = {}   # bucket -> [tokens, expires, capacity]
+        self._leases: dict[str, list] = {}         # bucket -> [tokens, expires, capacity, left, reset]
+        self._quotas: dict[str, QuotaLease] = {}   # a quota period's counters -> this worker's lease
+        self._reaper: threading.Thread | None = None
+        self._wake = threading.Event()
+        self._stopped = False
 
     # -- Redis ---------------------------------------------------------------------------------------------
     def _redis(self):
@@ -151,12 +215,11 @@ class Limiter:
                                                 health_check_interval=0)
             self._take = self._client.register_script(_TAKE)
             self._give = self._client.register_script(_GIVE)
-            self._quota = self._client.register_script(_QUOTA)
+            self._qlease = self._client.register_script(_QLEASE)
         return self._client
 
     def _down(self, exc: Exception) -> None:
         self._down_until = time.monotonic() + RETRY_S
-        self.observe_fallback("redis_unavailable")
         if not self._logged_down:
             self._logged_down = True
             log.warning("Redis at QAG_REDIS_URL does not answer (%s): limits and quotas fall back to this host's "
@@ -201,17 +264,23 @@ class Limiter:
         return d
 
     def _one(self, field, key_name, spec, now, d):
+        if spec.kind == "quota" and self.url:
+            local = self._quota_local(key_name, spec, now, d)
+            if local is not None:
+                return local
         r = self._redis()
         if r is not None:
             try:
                 out = self._rate(r, key_name, spec, now) if spec.kind == "rate" else \
-                    self._quota_check(r, key_name, spec, now, d)
+                    self._quota_take(key_name, spec, now, d)
                 self._up()
                 return out
             except Exception as exc:
                 if not _is_redis_error(exc):
                     raise
                 self._down(exc)
+        if self.url:
+            self.observe_fallback("redis_unavailable")   # every decision made without Redis
         over, remaining, reset = self.fallback(field, key_name, spec, now)
         limit = spec.calls if spec.calls is not None else spec.rows
         return over, remaining, limit, reset
@@ -233,55 +302,162 @@ class Limiter:
             old = self._leases.pop(bucket, None)
             if got > 0:
                 self._leases[bucket] = [got - 1, time.monotonic() + LEASE_S, cap, int(left) + got - 1, reset]
+                self._reap_soon()
         if old is not None and old[0] > 0:
             self._give(keys=[bucket], args=[old[0], cap])
         return got == 0, int(left) + max(0, got - 1), cap, reset
 
-    def _quota_check(self, r, key_name, spec, now, d):
+    # -- quotas: leases on the period's counters -------------------------------------------------------------
+    def _quota_base(self, key_name, spec, now):
         start, end = period_bounds(spec, now)
-        base = f"{self.prefix}quota:{key_name}:{spec.per}:{int(start)}"
-        ttl = int(end - now) + 60
-        admitted, calls, rows = self._quota(keys=[base + ":calls", base + ":rows"],
-                                            args=[spec.calls or 0, spec.rows or 0, ttl])
-        if spec.rows:
-            d.rows_keys.append((base + ":rows", ttl))
-        if spec.calls:
-            remaining, limit = spec.calls - int(calls), spec.calls
-        else:
-            remaining, limit = spec.rows - int(rows), spec.rows
-        return not admitted, remaining, limit, end - now
+        return f"{self.prefix}quota:{key_name}:{spec.per}:{int(start)}", end
+
+    def _quota_local(self, key_name, spec, now, d):
+        """Spend one call of this worker's live lease, or None when there is none to spend."""
+        base, end = self._quota_base(key_name, spec, now)
+        with self._lock:
+            q = self._quotas.get(base)
+            if q is None or q.expires <= time.monotonic() or (q.climit and q.calls <= 0) or \
+                    (q.rlimit and q.rows <= 0):
+                return None
+            if q.climit:
+                q.calls -= 1
+            if q.rlimit:
+                d.rows_keys.append(q)
+            limit, remaining = q.remaining()
+        return False, remaining, limit, end - now
+
+    def _quota_take(self, key_name, spec, now, d):
+        """One script call: the previous lease of this period given back, a new one taken (the call spends its
+        first unit), or the call refused because nothing is left."""
+        base, end = self._quota_base(key_name, spec, now)
+        climit, rlimit = spec.calls or 0, spec.rows or 0
+        q = QuotaLease(base, climit, rlimit, int(end - now) + 60)
+        with self._lock:
+            old = self._quotas.pop(base, None)
+            if old is not None:
+                old.live = False
+        back_c, back_r, epoch = (max(0, old.calls), max(0, old.rows), old.epoch) if old is not None else (0, 0, "")
+        ok, gc, gr, calls, rows, epoch = self._qlease(
+            keys=q.keys(), args=[climit, rlimit, 1, epoch, back_c, back_r, q.ttl, uuid.uuid4().hex, LEASE_DIV,
+                                 LEASE_CAP])
+        q.calls, q.rows, q.taken_calls, q.taken_rows = int(gc), int(gr), int(calls), int(rows)
+        q.epoch = epoch.decode() if isinstance(epoch, bytes) else str(epoch)
+        if not ok:
+            limit = climit or rlimit
+            return True, 0, limit, end - now
+        if climit:
+            q.calls -= 1
+        q.expires = time.monotonic() + min(LEASE_S, max(0.0, end - now))
+        with self._lock:
+            cur = self._quotas.get(base)
+            if cur is not None and cur.epoch == q.epoch:   # another thread of this worker leased meanwhile
+                cur.calls += q.calls
+                cur.rows += q.rows
+                cur.taken_calls = max(cur.taken_calls, q.taken_calls)
+                cur.taken_rows = max(cur.taken_rows, q.taken_rows)
+                q.live = False
+                q = cur
+            else:
+                if cur is not None:
+                    cur.live = False
+                    self._pending_back(cur)
+                self._quotas[base] = q
+            self._reap_soon()
+            if rlimit:
+                d.rows_keys.append(q)
+            limit, remaining = q.remaining()
+        return False, remaining, limit, end - now
 
     def count_rows(self, d: Decision | None, rows: int) -> None:
-        """After a call: its rows count toward the key's rows quota."""
+        """After a call: its rows are spent from the lease it was admitted on; rows beyond the lease go to Redis
+        at once (so every host counts them before it next leases)."""
         if d is None or not d.rows_keys or rows <= 0:
+            return
+        for q in d.rows_keys:
+            with self._lock:
+                if q.live and q.rows >= rows:
+                    q.rows -= rows
+                    continue
+                beyond = rows - max(0, q.rows) if q.live else rows
+                if q.live:
+                    q.rows = 0
+            self._settle(q, 0, -beyond)
+
+    def _settle(self, q: QuotaLease, calls_back: int, rows_back: int) -> None:
+        """Give back a lease's unspent units (or add rows spent beyond it) without taking a new one."""
+        if calls_back <= 0 and rows_back == 0:
             return
         r = self._redis()
         if r is None:
-            return
+            return   # unspent units are lost (the quota under-admits); rows beyond a lease are counted here only
         try:
-            pipe = r.pipeline(transaction=False)
-            for k, ttl in d.rows_keys:
-                pipe.incrby(k, rows)
-                pipe.expire(k, ttl)
-            pipe.execute()
+            self._qlease(keys=q.keys(), args=[q.climit, q.rlimit, 0, q.epoch, max(0, calls_back), rows_back, q.ttl,
+                                              uuid.uuid4().hex, LEASE_DIV, LEASE_CAP])
         except Exception as exc:
             if not _is_redis_error(exc):
                 raise
             self._down(exc)
 
-    def return_leases(self) -> None:
-        """Give back what is left of every lease (at worker exit, and when leases expire)."""
-        r = self._redis()
-        with self._lock:
-            leases, self._leases = self._leases, {}
+    def _pending_back(self, q: QuotaLease) -> None:
+        """A lease replaced while it still held units: the reaper gives them back (called under the lock)."""
+        if q.calls > 0 or q.rows > 0:
+            q.expires = 0.0
+            self._quotas[q.base + "\x00" + uuid.uuid4().hex] = q
+
+    # -- leases ending ---------------------------------------------------------------------------------------
+    def _reap_soon(self) -> None:
+        """Make sure the reaper runs (called under the lock when a lease is installed)."""
+        if self._reaper is None and not self._stopped:
+            self._reaper = threading.Thread(target=self._reap, name="qag-limits-leases", daemon=True)
+            self._reaper.start()
+        self._wake.set()
+
+    def _reap(self) -> None:
+        """Give back expired leases within LEASE_S of their end, whether or not their key calls again."""
+        while not self._stopped:
+            with self._lock:
+                mono = time.monotonic()
+                due_q = [(k, q) for k, q in self._quotas.items() if q.expires <= mono]
+                for k, q in due_q:
+                    del self._quotas[k]
+                    q.live = False
+                due_r = [(b, lz) for b, lz in self._leases.items() if lz[1] <= mono]
+                for b, _ in due_r:
+                    del self._leases[b]
+                nxt = min([q.expires for q in self._quotas.values()] + [lz[1] for lz in self._leases.values()],
+                          default=None)
+                self._wake.clear()
+            self._give_back([q for _, q in due_q], due_r)
+            self._wake.wait(None if nxt is None else max(0.01, nxt - time.monotonic() + 0.01))
+
+    def _give_back(self, quotas, rates) -> None:
+        for q in quotas:
+            self._settle(q, max(0, q.calls), max(0, q.rows))
+        r = self._redis() if rates else None
         if r is None:
             return
-        for bucket, (tokens, _, cap, _, _) in leases.items():
+        for bucket, (tokens, _, cap, _, _) in rates:
             if tokens > 0:
                 try:
                     self._give(keys=[bucket], args=[tokens, cap])
-                except Exception:  # noqa: BLE001
+                except Exception as exc:  # noqa: BLE001
+                    if not _is_redis_error(exc):
+                        raise
+                    self._down(exc)
                     return
+
+    def return_leases(self) -> None:
+        """Give back what is left of every lease (at the worker's stop): the counters then hold exactly what this
+        worker spent."""
+        with self._lock:
+            self._stopped = True
+            leases, self._leases = self._leases, {}
+            quotas, self._quotas = self._quotas, {}
+            for q in quotas.values():
+                q.live = False
+        self._wake.set()
+        self._give_back(list(quotas.values()), list(leases.items()))
 
 
 def _quota_text(spec: Spec) -> str:

@@ -100,6 +100,7 @@ class QagGunicorn(BaseApplication):
         s("when_ready", self._when_ready)
         s("on_exit", self._on_exit)
         s("child_exit", self._child_exit)
+        s("worker_exit", self._worker_exit)
         s("control_socket_disable", True)  # two instances on one host must not share ~/.gunicorn/gunicorn.ctl
 
     def _when_ready(self, server):
@@ -133,6 +134,16 @@ class QagGunicorn(BaseApplication):
         hooks = getattr(self, "arbiter_hooks", None)
         if hooks is not None:
             hooks.worker_exited(getattr(worker, "qag_slot", None), worker.pid)
+
+    def _worker_exit(self, server, worker):
+        """In the stopping worker, after its last call: its quota and rate-limit leases go back to Redis, so the
+        counters hold exactly what it spent (qag/limits.py)."""
+        limiter = getattr(getattr(getattr(worker, "wsgi", None), "auth", None), "limiter", None)
+        if limiter is not None:
+            try:
+                limiter.return_leases()
+            except Exception as exc:  # noqa: BLE001 - a stop must finish; unreturned units only under-admit
+                log.warning("could not give back this worker's limit leases: %s", exc)
 
     def _on_exit(self, server):
         hooks = getattr(self, "arbiter_hooks", None)
