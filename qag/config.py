@@ -40,6 +40,23 @@ def _nonneg_int(text: str) -> int:
     return value
 
 
+def _run_writers(text: str) -> int:
+    value = int(text)
+    if value not in (1, 2, 4, 8, 16):
+        raise ValueError("must be 1, 2, 4, 8 or 16 (each writer takes every QAG_RUN_WRITERS-th event id)")
+    return value
+
+
+def _run_writer_id(text: str) -> int:
+    """A number, or a StatefulSet pod's name ending in its ordinal (`qag-3` is 3: what the Helm chart passes, from
+    the pod's own name, so no two pods of one StatefulSet share an id)."""
+    t = text.strip()
+    m = re.fullmatch(r"(?:.*[^-]-)?([0-9]{1,9})", t)
+    if m is None:
+        raise ValueError("must be a number, or a StatefulSet pod's name ending in its ordinal (qag-3)")
+    return int(m.group(1))
+
+
 def _pos_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -193,8 +210,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("history_retention_days", "QAG_HISTORY_RETENTION_DAYS", _pos_int, "30", "Days history keeps runs.", "days"),
     Setting("history_sample_rate", "QAG_HISTORY_SAMPLE_RATE", _rate, "1", "Share of successful runs kept in history (failures always kept).", "0..1"),
     Setting("usage_retention_days", "QAG_USAGE_RETENTION_DAYS", _pos_int, "400", "Days the per-minute usage rollups are kept.", "days"),
-    Setting("run_writers", "QAG_RUN_WRITERS", _pos_int, "1", "Recorders writing one shared run store (several hosts on one ClickHouse).", "int"),
-    Setting("run_writer_id", "QAG_RUN_WRITER_ID", _nonneg_int, "0", "This host's recorder number, 0..QAG_RUN_WRITERS-1 (keeps event ids apart).", "int"),
+    Setting("run_writers", "QAG_RUN_WRITERS", _run_writers, "1", "Recorders writing one shared run store (several hosts on one ClickHouse): 1, 2, 4, 8 or 16.", "int"),
+    Setting("run_writer_id", "QAG_RUN_WRITER_ID", _run_writer_id, "0", "This host's recorder number, 0..QAG_RUN_WRITERS-1 (keeps event ids apart), or a StatefulSet pod's name ending in it (qag-3).", "int|name-N"),
     Setting("events_settle_ms", "QAG_EVENTS_SETTLE_MS", _nonneg_int, "0", "With several writers: events are delivered once older than this, so none arrives out of order.", "ms"),
     Setting("max_connections", "QAG_MAX_CONNECTIONS", _pos_int, "1000", "Client connections one worker keeps open; at the limit it closes its longest-idle kept-alive one to take a new one.", "int"),
     Setting("keepalive", "QAG_KEEPALIVE", _pos_int, "5", "Seconds an idle kept-alive connection stays open.", "seconds"),

@@ -827,7 +827,7 @@ def test_template_skeleton_is_yaml(path):
 
 def test_deployment_env_settings_secrets_and_resources(monkeypatch):
     values = _values()
-    dep = (CHART / "templates" / "deployment.yaml").read_text()
+    dep = (CHART / "templates" / "statefulset.yaml").read_text()
     secret = (CHART / "templates" / "secret.yaml").read_text()
     # Plain settings are real settings, parse, and leave secrets and the container's bind to the template.
     env = {k: str(v) for k, v in values["env"].items()}
@@ -908,7 +908,7 @@ def _rendered(values: dict) -> dict[str, dict]:
 
 
 def _container(docs) -> dict:
-    (c,) = docs["Deployment"]["spec"]["template"]["spec"]["containers"]
+    (c,) = docs["StatefulSet"]["spec"]["template"]["spec"]["containers"]
     return c
 
 
@@ -934,7 +934,7 @@ def test_helm_refuses_replicas_without_the_shared_store():
 @needs_helm
 def test_helm_renders_settings_qag_accepts(monkeypatch):
     docs = _rendered({**SHARED, "metrics": {"serviceMonitor": {"enabled": True}}, "plane": {"threads": 3}})
-    assert set(docs) == {"Deployment", "Service", "Secret", "ServiceMonitor", "PodDisruptionBudget"}
+    assert set(docs) == {"StatefulSet", "Service", "Secret", "ServiceMonitor", "PodDisruptionBudget"}
     c = _container(docs)
     cfg = config.load(environ=_plain_env(c))
     assert cfg.bind == "0.0.0.0:8080" and cfg.workers == "auto" and cfg.pin
@@ -948,7 +948,7 @@ def test_helm_renders_settings_qag_accepts(monkeypatch):
         if ref:
             assert ref["name"] == docs["Secret"]["metadata"]["name"]
             assert ref["key"] == e["name"] and (ref["key"] in secret or ref["optional"] is True)
-    pod = docs["Deployment"]["spec"]["template"]["spec"]
+    pod = docs["StatefulSet"]["spec"]["template"]["spec"]
     shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
     assert shm["emptyDir"]["medium"] == "Memory"
     assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
@@ -959,7 +959,7 @@ def test_helm_renders_settings_qag_accepts(monkeypatch):
     # The alert rules select job="qag"; the release is called "rel" here.
     assert {"targetLabel": "job", "replacement": "qag"} in sm["relabelings"]
     assert 'up{job="qag"}' in {r["alert"]: r["expr"] for r in _alerts()}["QagInstanceDown"]
-    assert docs["Service"]["spec"]["selector"] == docs["Deployment"]["spec"]["selector"]["matchLabels"]
+    assert docs["Service"]["spec"]["selector"] == docs["StatefulSet"]["spec"]["selector"]["matchLabels"]
 
 
 @needs_helm
@@ -973,11 +973,59 @@ def test_helm_without_exclusive_cpus_sizes_workers_by_the_limit():
 def test_helm_existing_secret_single_replica_no_plane(monkeypatch):
     docs = _rendered({"replicaCount": 1, "secrets": {"existingSecret": "qag-prod", "metricsToken": ""},
                       "plane": {"enabled": False}})
-    assert set(docs) == {"Deployment", "Service"}
+    assert set(docs) == {"StatefulSet", "Service"}
     c = _container(docs)
-    refs = [e["valueFrom"]["secretKeyRef"] for e in c["env"] if "valueFrom" in e]
+    refs = [e["valueFrom"]["secretKeyRef"] for e in c["env"] if "secretKeyRef" in e.get("valueFrom", {})]
     assert refs and all(r["name"] == "qag-prod" for r in refs)
     assert not _serve_args(monkeypatch, c["args"]).plane
+
+
+def _pods(docs) -> list[dict[str, str]]:
+    """Each pod's environment as the kubelet gives it: a StatefulSet's pods are named <name>-<ordinal>, and
+    QAG_RUN_WRITER_ID comes from the pod's name (the downward API)."""
+    sts = docs["StatefulSet"]
+    c = _container(docs)
+    ref = next(e for e in c["env"] if e["name"] == "QAG_RUN_WRITER_ID")
+    assert ref["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    plain = _plain_env(c)
+    return [{**plain, "QAG_RUN_WRITER_ID": f"{sts['metadata']['name']}-{i}"} for i in range(sts["spec"]["replicas"])]
+
+
+def test_chart_numbers_its_pods_run_writers_without_helm():
+    """Without Helm's engine: the template passes the pod's own name as QAG_RUN_WRITER_ID, from a StatefulSet."""
+    text = (CHART / "templates" / "statefulset.yaml").read_text()
+    assert re.search(r"^kind: StatefulSet$", text, re.MULTILINE)
+    assert re.search(r"name: QAG_RUN_WRITER_ID\s+valueFrom:\s+fieldRef:\s+fieldPath: metadata\.name", text)
+    assert re.search(r"name: QAG_RUN_WRITERS\s+value: \{\{ \.Values\.runWriters \| quote \}\}", text)
+    values = _values()
+    assert values["runWriters"] in (1, 2, 4, 8, 16) and values["replicaCount"] <= values["runWriters"]
+
+
+@needs_helm
+def test_helm_pods_on_one_clickhouse_mint_distinct_event_ids():
+    """Every pod of the release gets its own writer id (its ordinal) below QAG_RUN_WRITERS, so their event id
+    progressions never meet; the chart refuses more replicas than writers, and qag a pod name past them."""
+    from qag.runstore.eventid import IdClock
+    docs = _rendered({**SHARED, "replicaCount": 5, "secrets": {**SHARED["secrets"],
+                                                                "runStoreUrl": "http://qag:pw@ch:8123/qag"}})
+    sts = docs["StatefulSet"]["spec"]
+    assert sts["serviceName"] == docs["Service"]["metadata"]["name"] and sts["podManagementPolicy"] == "Parallel"
+    cfgs = [config.load(environ=env) for env in _pods(docs)]
+    assert [c.run_writer_id for c in cfgs] == [0, 1, 2, 3, 4] and {c.run_writers for c in cfgs} == {16}
+    assert {c.events_settle_ms for c in cfgs} == {1000}
+    clocks = [IdClock(0, clock=lambda: 1_800_000_000_000, writer=c.run_writer_id, writers=c.run_writers)
+              for c in cfgs]
+    minted = [clock.take(1) + clock.stride * i for clock in clocks for i in range(500)]
+    assert len(set(minted)) == len(minted), "two pods minted the same event id"
+    for values, words in (({"replicaCount": 17}, "above runWriters"), ({"runWriters": 3}, "runWriters must be"),
+                          ({"replicaCount": 3, "runWriters": 2}, "above runWriters")):
+        out = _helm("render", {**SHARED, **values})
+        assert words in out.get("error", ""), (values, out)
+    env = _pods(_rendered({**SHARED, "replicaCount": 2, "runWriters": 2}))[1]
+    assert config.load(environ=env).run_writer_id == 1
+    with pytest.raises(config.SettingError) as ei:   # a pod past the writers (scaled by hand) does not start
+        config.load(environ={**env, "QAG_RUN_WRITER_ID": env["QAG_RUN_WRITER_ID"][:-1] + "2"})
+    assert "QAG_RUN_WRITER_ID" in str(ei.value)
 
 
 # --- the README ----------------------------------------------------------------------------------------

@@ -48,9 +48,9 @@ def test_the_run_store_reads_its_settings_from_the_declarations():
     for field, name in SETTING_OF.items():
         assert getattr(StoreSettings(), field) == getattr(config.load({}), name)
     env = {"QAG_EVENTS_RETENTION_HOURS": "5", "QAG_HISTORY_RETENTION_DAYS": "6", "QAG_HISTORY_SAMPLE_RATE": "0.25",
-           "QAG_USAGE_RETENTION_DAYS": "7", "QAG_RUN_WRITERS": "3", "QAG_RUN_WRITER_ID": "2",
+           "QAG_USAGE_RETENTION_DAYS": "7", "QAG_RUN_WRITERS": "4", "QAG_RUN_WRITER_ID": "2",
            "QAG_EVENTS_SETTLE_MS": "8"}
-    assert StoreSettings.from_env(env) == StoreSettings(5, 6, 0.25, 7, writer_id=2, writers=3, events_settle_ms=8)
+    assert StoreSettings.from_env(env) == StoreSettings(5, 6, 0.25, 7, writer_id=2, writers=4, events_settle_ms=8)
     with pytest.raises(config.SettingError) as ei:
         StoreSettings.from_env({"QAG_USAGE_RETENTION_DAYS": "many"})
     assert "QAG_USAGE_RETENTION_DAYS" in str(ei.value)
@@ -96,3 +96,21 @@ def test_malformed_redis_url_named_without_its_password(url):
                                  "redis://h?db=2"])
 def test_redis_urls_accepted(url):
     assert config.load({"QAG_REDIS_URL": url}).redis_url == url
+
+
+def test_run_writer_id_is_a_number_or_a_statefulset_pods_ordinal():
+    """The Helm chart passes each pod's own name (a StatefulSet's `<name>-<ordinal>`): two pods of one StatefulSet
+    never share an id, and a name without an ordinal, or one not below QAG_RUN_WRITERS, stops startup."""
+    for given, wid in (("0", 0), ("5", 5), ("rel-qag-0", 0), ("rel-qag-15", 15), ("qag-3", 3)):
+        assert config.load({"QAG_RUN_WRITERS": "16", "QAG_RUN_WRITER_ID": given}).run_writer_id == wid
+    for bad in ("", "-1", "qag", "qag-", "qag-x7b2k", "qag--3", "1.5"):
+        with pytest.raises(config.SettingError) as ei:
+            config.load({"QAG_RUN_WRITERS": "16", "QAG_RUN_WRITER_ID": bad})
+        assert "QAG_RUN_WRITER_ID" in str(ei.value), bad
+    with pytest.raises(config.SettingError) as ei:
+        config.load({"QAG_RUN_WRITERS": "16", "QAG_RUN_WRITER_ID": "rel-qag-16"})
+    assert "QAG_RUN_WRITER_ID" in str(ei.value)
+    for bad in ("3", "0", "32"):   # each writer takes every W-th id: W must divide the id space evenly
+        with pytest.raises(config.SettingError) as ei:
+            config.load({"QAG_RUN_WRITERS": bad})
+        assert "QAG_RUN_WRITERS" in str(ei.value)

@@ -51,6 +51,12 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if and (gt (int .Values.replicaCount) 1) (not .Values.secrets.existingSecret) (not .Values.secrets.databaseUrl) -}}
 {{- fail "replicaCount > 1 needs the shared PostgreSQL store: set secrets.databaseUrl or secrets.existingSecret" -}}
 {{- end -}}
+{{- if not (has (int .Values.runWriters) (list 1 2 4 8 16)) -}}
+{{- fail "runWriters must be 1, 2, 4, 8 or 16" -}}
+{{- end -}}
+{{- if gt (int .Values.replicaCount) (int .Values.runWriters) -}}
+{{- fail "replicaCount is above runWriters: two pods would mint the same event ids (raise runWriters, up to 16)" -}}
+{{- end -}}
 {{- if and (not .Values.secrets.create) (not .Values.secrets.existingSecret) -}}
 {{- fail "secrets.create is false: set secrets.existingSecret" -}}
 {{- end -}}
