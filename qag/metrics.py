@@ -7,6 +7,7 @@ sees the whole instance), else an in-process registry.
 from __future__ import annotations
 
 import threading
+from bisect import bisect_left
 from collections.abc import Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -14,6 +15,10 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import CollectorRegistry
 
 from shm.layout import HIST_BOUNDS
+
+_bisect = bisect_left
+_BOUNDS = HIST_BOUNDS
+_NB = len(HIST_BOUNDS)  # a histogram's sum cell follows its buckets (shm/segment.py histogram_observe)
 
 # name -> (type, help, label names)
 METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
@@ -119,15 +124,49 @@ class Observer:
         # A slot's counter cells have one writer: this process's threads take turns (shm/LAYOUT.md, Counters).
         self.lock = threading.Lock()
         self._labels: dict = {}
+        # The shared segment's cells, written in place by request() (shm/segment.py cells(), N1 and N2).
+        self._d = self.backend.cells() if hasattr(self.backend, "histogram_cell") else None
+        self._cells: dict = {}   # (route, status) -> (qag_requests_total cell, qag_request_duration_seconds cell)
+        self._fixed: dict = {}   # the unlabelled series' cells, and the plan cache's hit and miss
 
     def request(self, route: str, status: int, code: str | None, rows: int, duration: float,
                 query_seconds: float | None = None, plan_hit: bool | None = None,
                 recorded: bool | None = None) -> None:
-        labels = self._labels.get((route, status))
-        if labels is None:  # label tuples built once per (route, status), not per call
-            labels = self._labels[(route, status)] = ((("route", route), ("status", str(status))),
-                                                      (("route", route),))
         b, slot = self.backend, self.slot
+        if self._d is not None:  # the segment: each series' cell located once, then a load and a store each
+            cells = self._cells.get((route, status))
+            if cells is None:
+                labels = self._route_labels(route, status)
+                cells = self._cells[(route, status)] = (b.counter_cell(slot, "qag_requests_total", labels[0]),
+                                                        b.histogram_cell(slot, "qag_request_duration_seconds",
+                                                                         labels[1]))
+            d, fixed = self._d, self._fixed
+            with self.lock:
+                d[cells[0]] += 1
+                if code:
+                    b.counter_add(slot, "qag_errors_total", (("code", code),), 1)
+                if rows:
+                    i = fixed.get("qag_rows_total")
+                    d[self._fixed_cell("qag_rows_total") if i is None else i] += rows
+                h = cells[1]
+                d[h + _bisect(_BOUNDS, duration)] += 1
+                d[h + _NB] += duration
+                if query_seconds is not None:
+                    h = fixed.get("qag_query_duration_seconds")
+                    if h is None:
+                        h = self._fixed_cell("qag_query_duration_seconds", histogram=True)
+                    d[h + _bisect(_BOUNDS, query_seconds)] += 1
+                    d[h + _NB] += query_seconds
+                if plan_hit is not None:
+                    name = "hit" if plan_hit else "miss"
+                    i = fixed.get(name)
+                    d[self._fixed_cell(name) if i is None else i] += 1
+                if recorded is not None:
+                    name = "qag_runs_recorded_total" if recorded else "qag_runs_lost_total"
+                    i = fixed.get(name)
+                    d[self._fixed_cell(name) if i is None else i] += 1
+            return
+        labels = self._route_labels(route, status)
         with self.lock:
             b.counter_add(slot, "qag_requests_total", labels[0], 1)
             if code:
@@ -141,6 +180,26 @@ class Observer:
                 b.counter_add(slot, "qag_plan_cache_total", _HIT if plan_hit else _MISS, 1)
             if recorded is not None:
                 b.counter_add(slot, "qag_runs_recorded_total" if recorded else "qag_runs_lost_total", (), 1)
+
+    def _route_labels(self, route: str, status: int) -> tuple:
+        labels = self._labels.get((route, status))
+        if labels is None:  # label tuples built once per (route, status), not per call
+            labels = self._labels[(route, status)] = ((("route", route), ("status", str(status))),
+                                                      (("route", route),))
+        return labels
+
+    def _fixed_cell(self, name: str, histogram: bool = False) -> int:
+        """A series of request()'s without per-call labels, located in the segment on its first use (so the
+        segment registers the same series, in the same order of first use, as counter_add would)."""
+        b = self.backend
+        if name in ("hit", "miss"):
+            i = b.counter_cell(self.slot, "qag_plan_cache_total", _HIT if name == "hit" else _MISS)
+        elif histogram:
+            i = b.histogram_cell(self.slot, name, ())
+        else:
+            i = b.counter_cell(self.slot, name, ())
+        self._fixed[name] = i
+        return i
 
     def limit_fallback(self, reason: str) -> None:
         with self.lock:

@@ -574,6 +574,21 @@ class Segment:
             cell = self._register(kind, name, labels)
         return self._cells_base + slot * self.geometry.cells_per_slot + cell
 
+    def counter_cell(self, slot: int, name: str, labels: tuple = ()) -> int:
+        """The index into cells() of slot's cell of a counter series (registered on first use): a hot writer
+        resolves it once and adds to the cell itself, as counter_add does (N1)."""
+        return self._cell(slot, L.KIND_COUNTER, name, labels)
+
+    def histogram_cell(self, slot: int, name: str, labels: tuple = ()) -> int:
+        """The index into cells() of slot's first cell of a histogram series: bucket i at +i (value <=
+        HIST_BOUNDS[i]), the sum at +len(HIST_BOUNDS), as histogram_observe writes them (N2)."""
+        return self._cell(slot, L.KIND_HISTOGRAM, name, labels)
+
+    def cells(self) -> memoryview:
+        """The segment as f64 cells, for a writer of the cells it located through counter_cell() or
+        histogram_cell() (one writer per slot, N1)."""
+        return self._d
+
     def counter_add(self, slot: int, name: str, labels: tuple = (), value: float = 1) -> None:
         """N1: only slot's process writes its cells, from one thread at a time (a load and a store, not an RMW)."""
         i = self._cell(slot, L.KIND_COUNTER, name, labels)
