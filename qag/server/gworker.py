@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import queue
+import re
 import select
 import socket
 import threading
@@ -21,6 +23,7 @@ import time
 from collections import deque
 from datetime import datetime
 
+from gunicorn import config as gconfig
 from gunicorn import http
 from gunicorn import util as gutil
 from gunicorn.http import message as gmessage
@@ -94,6 +97,62 @@ def _contract_errors() -> None:
                 "X-Content-Type-Options: nosniff\r\n\r\n")
         gutil.write_nonblock(sock, head.encode("latin-1") + body)
     gutil.write_error = write_error
+
+
+_HEADER_NAMES: set[str] = set()  # response header names gunicorn accepted and keeps (not hop-by-hop)
+_HEADER_NAMES_MAX = 512
+_STR_ONLY = {str}
+# A header value gunicorn would refuse (outside HEADER_VALUE_RE) or strip (a space or tab at either end), in the
+# values joined by NUL (itself refused: counted apart).
+_VALUE_NOT_AS_IS = re.compile(r"[^ \t\x21-\x7e\x80-\xff\x00]|[ \t]\x00|\x00[ \t]|\A[ \t]|[ \t]\Z")
+
+
+class QagResponse(wsgi.Response):
+    """gunicorn's response writer, whose process_headers takes a head it would keep as it is in a few calls in C:
+    an answer of qag's carries a dozen headers, and checking them one by one was about a third of what writing
+    its head cost (bench/callcost.py --http). The fast path is taken only when gunicorn's loop would append every
+    header unchanged: every name one it accepted before (a token, not hop-by-hop), every value a str it neither
+    refuses nor strips, at most one Content-Length (read as gunicorn reads it); anything else goes through
+    gunicorn's own loop, so every header is accepted, refused and written as it would be."""
+
+    def process_headers(self, headers):
+        names = _HEADER_NAMES
+        if headers.__class__ is list and headers:
+            try:
+                keys, values = zip(*headers)
+            except (TypeError, ValueError):
+                keys = ()
+            if keys and names.issuperset(keys) and set(map(type, values)) == _STR_ONLY:
+                joined = "\x00".join(values)
+                if joined.count("\x00") == len(values) - 1 and not _VALUE_NOT_AS_IS.search(joined):
+                    n = keys.count("content-length")
+                    if n < 2:
+                        if n:
+                            self.response_length = int(values[keys.index("content-length")])
+                        self.headers.extend(headers)
+                        return
+        own = super().process_headers
+        for name, value in headers:
+            own(((name, value),))
+            if name.__class__ is str and name not in names and len(names) < _HEADER_NAMES_MAX \
+                    and not gutil.is_hoppish(name) and (name == "content-length" or name.lower() != "content-length"):
+                names.add(name)  # gunicorn took it: a valid token (it raises otherwise), kept as it is
+
+
+def _hooks(cfg, log):
+    """(pre_request, post_request, timed) for handle_request: gunicorn's default hooks are None when they would do
+    nothing (pre_request only logs at debug level, post_request is empty), and a request is timed only for an
+    access log that writes it (Logger.access returns at once otherwise)."""
+    debug = getattr(log, "error_log", None)
+    debug = debug is None or debug.isEnabledFor(logging.DEBUG)
+    pre = cfg.pre_request
+    if pre is gconfig.PreRequest.default and not debug:
+        pre = None
+    post = cfg.post_request
+    if post is gconfig.PostRequest.default:
+        post = None
+    timed = getattr(log, "access_log_enabled", True)
+    return pre, post, bool(timed)
 
 
 # -- what the main thread reads before a thread is committed ------------------------------------------------
@@ -251,6 +310,7 @@ class QagWorker(ThreadWorker):
         self.threads: list[threading.Thread] = []
         self.lock = threading.Lock()  # guards self.conns: threads drop closed connections, the loop adds
         self.poller = None  # gthread's selector is not used
+        self.pre_hook, self.post_hook, self.timed = _hooks(self.cfg, self.log)
         self.tpool = None
         # base.Worker.init_process ends by calling run(); it also installs the signal handlers.
         super(ThreadWorker, self).init_process()
@@ -367,11 +427,12 @@ class QagWorker(ThreadWorker):
         environ = {}
         resp = None
         try:
-            self.cfg.pre_request(self, req)
-            request_start = datetime.now()
+            if self.pre_hook is not None:
+                self.pre_hook(self, req)
+            request_start = datetime.now() if self.timed else None
             if conn.continued:  # this worker's main thread sent the 100 already (_continue)
                 req._expected_100_continue = False
-            resp, environ = wsgi.create(req, conn.sock, conn.client, conn.server, self.cfg)
+            resp, environ = wsgi.create(req, conn.sock, conn.client, conn.server, self.cfg, QagResponse)
             environ["wsgi.multithread"] = True
             if conn.too_many:
                 environ["qag.too_many_calls"] = True
@@ -399,7 +460,8 @@ class QagWorker(ThreadWorker):
                         resp.write(item)
                 resp.close()
             finally:
-                self.log.access(resp, req, environ, datetime.now() - request_start)
+                if self.timed:
+                    self.log.access(resp, req, environ, datetime.now() - request_start)
                 if hasattr(respiter, "close"):
                     respiter.close()
             if resp.should_close():
@@ -412,10 +474,11 @@ class QagWorker(ThreadWorker):
                 raise StopIteration() from None
             raise
         finally:
-            try:
-                self.cfg.post_request(self, req, environ, resp)
-            except Exception:
-                self.log.exception("Exception in post_request hook")
+            if self.post_hook is not None:
+                try:
+                    self.post_hook(self, req, environ, resp)
+                except Exception:
+                    self.log.exception("Exception in post_request hook")
         return True
 
     def _forget(self, conn):
