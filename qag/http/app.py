@@ -36,14 +36,15 @@ class RequestIdMiddleware:
         req.context.started = time.perf_counter()
 
     def process_response(self, req, resp, resource, req_succeeded):
+        headers = resp._headers  # Falcon's table of the answer's headers by lower-case name (set_header's)
         rid = req.context.get("request_id")
         if rid:
-            resp.set_header("X-Request-Id", rid)
+            headers["x-request-id"] = rid
         # Answers are data or errors for one caller: never sniffed, never stored by a shared cache unless a
         # saved query's cache_ttl said otherwise (it set Cache-Control: private, max-age=<ttl>).
-        resp.set_header("X-Content-Type-Options", "nosniff")
-        if resp.get_header("Cache-Control") is None:
-            resp.set_header("Cache-Control", "no-store")
+        headers["x-content-type-options"] = "nosniff"
+        if "cache-control" not in headers:
+            headers["cache-control"] = "no-store"
         route = req.uri_template
         if route != data.ROUTE:  # data calls are observed by finish(), with their rows and timings
             status = resp.status if isinstance(resp.status, int) else int(str(resp.status).split()[0])

@@ -45,9 +45,7 @@ class DataResource:
         self.cache = ResultCache()
 
     def on_get(self, req, resp, name):
-        given = {}
-        for k, v in req.params.items():
-            given[k] = v
+        given = dict(req.params)
         self.serve(req, resp, name, given, None)
 
     def on_post(self, req, resp, name):
@@ -111,14 +109,16 @@ def authenticate(c: Call, given: dict) -> None:
     """The caller (401/403 before anything else is looked at), its queue and rate limits (429), then the call's
     options (400): that order of checks is the contract's."""
     req, auth, run = c.req, c.app.auth, c.run
+    env = req.env  # the headers read as the WSGI environ has them (req.get_header's own lookup, without its
+    # name mangling and the KeyError of an absent header)
     # The Console's "try it" calls in-process as its signed-in administrator (qag/http/console: PRINCIPAL_ENV).
-    principal = req.env.get("qag.console_principal") or auth.authenticate_caller(
-        req.get_header("X-API-Key"), req.get_header("Authorization"), client_addr(req))
+    principal = env.get("qag.console_principal") or auth.authenticate_caller(
+        env.get("HTTP_X_API_KEY"), env.get("HTTP_AUTHORIZATION"), client_addr(req))
     c.principal = principal
     run["key_name"] = None if principal.admin else principal.caller
-    if req.get_header("X-Qag-Via") == "mcp" and client_addr(req) in ("127.0.0.1", "::1"):
+    if env.get("HTTP_X_QAG_VIA") == "mcp" and client_addr(req) in ("127.0.0.1", "::1"):
         run["served_by"], run["transport"] = "mcp", "mcp"   # a tool call of `qag mcp` on this host
-    if req.env.get("qag.too_many_calls"):  # the worker found this key's queue full (qag/server/gworker.py)
+    if env.get("qag.too_many_calls"):  # the worker found this key's queue full (qag/server/gworker.py)
         raise ApiError(429, "too_many_calls", "This key has too many calls waiting in this worker; wait "
                        "for some to finish and retry in 1 s.", {"retry_after": 1}, {"Retry-After": "1"})
     limits = c.limits = auth.check_rate(principal)
@@ -215,9 +215,12 @@ def render(c: Call) -> None:
     """The body in the asked format: a write's affected rows, or one page of rows with the paging headers; then
     the cacheable answer's ETag (304 when If-None-Match names it) and the stage times as Server-Timing."""
     plan, opts, resp, rows = c.plan, c.opts, c.resp, c.rows
+    # Falcon's own table of the answer's headers, by lower-case name, as resp.set_header(name, str) fills it:
+    # the same headers in the same order, without set_header's lower() and str() per header.
+    headers = resp._headers
     if plan.is_write and not c.cols:
         body = json.dumps({"affected_rows": c.count}).encode() if opts.format == "json" else b""
-        resp.set_header("X-Affected-Rows", str(c.count))
+        headers["x-affected-rows"] = str(c.count)
         nrows = 0
     else:
         if plan.page_mode == "none" and not plan.is_write:
@@ -229,16 +232,16 @@ def render(c: Call) -> None:
         body = RENDERERS[opts.format](c.cols, rows)
         nrows = len(rows)
         if plan.is_write:
-            resp.set_header("X-Affected-Rows", str(c.count))
+            headers["x-affected-rows"] = str(c.count)
         else:
-            resp.set_header("X-Page", str(opts.page))
-            resp.set_header("X-Page-Size", str(opts.page_size))
-            resp.set_header("X-Row-Count", str(nrows))
-            resp.set_header("X-Has-More", "true" if has_more else "false")
+            headers["x-page"] = str(opts.page)
+            headers["x-page-size"] = str(opts.page_size)
+            headers["x-row-count"] = str(nrows)
+            headers["x-has-more"] = "true" if has_more else "false"
             if c.row_limit is not None:
-                resp.set_header("X-Row-Limit", str(c.row_limit))
+                headers["x-row-limit"] = str(c.row_limit)
     c.t_render = t_render = time.perf_counter()
-    resp.content_type = FORMATS[opts.format]
+    headers["content-type"] = FORMATS[opts.format]
     status = 200
     if c.cache_key is not None:
         c.cache.put(c.cache_key, plan.cache_ttl, body, nrows, resp)
@@ -252,9 +255,9 @@ def render(c: Call) -> None:
     c.status = status
     c.run["rows"], c.run["bytes"] = nrows, len(body) if status == 200 else 0
     t0, t_auth, t_plan, t_bind, t_exec, t_gov = c.t0, c.t_auth, c.t_plan, c.t_bind, c.t_exec, c.t_gov
-    resp.set_header("Server-Timing", SERVER_TIMING % (
+    headers["server-timing"] = SERVER_TIMING % (
         (t_auth - t0) * 1000, (t_plan - t_auth) * 1000, (t_bind - t_plan) * 1000, (t_exec - t_bind) * 1000,
-        (t_gov - t_exec) * 1000, (t_render - t_gov) * 1000))
+        (t_gov - t_exec) * 1000, (t_render - t_gov) * 1000)
 
 
 def record(c: Call) -> None:
