@@ -72,9 +72,20 @@ def _decimal(precision, scale):
     return DecimalType(None, None)
 
 
+_PG_SEEN: dict = {}  # a description's fields -> (names, types): a saved query's result has the same every call
+_PG_SEEN_MAX = 1024
+
+
 def pg_columns(description) -> Columns:
-    return Columns([d[0] for d in description],
-                   [_decimal(d[4], d[5]) if d[1] == 1700 else _PG.get(d[1]) for d in description])
+    key = tuple(map(tuple, description))  # every field of every column, so the same key is the same answer
+    seen = _PG_SEEN.get(key)
+    if seen is None:
+        seen = ([d[0] for d in description],
+                [_decimal(d[4], d[5]) if d[1] == 1700 else _PG.get(d[1]) for d in description])
+        if len(_PG_SEEN) >= _PG_SEEN_MAX:
+            _PG_SEEN.clear()
+        _PG_SEEN[key] = seen
+    return Columns(*seen)  # fresh lists each call: a reader may keep or change its own
 
 
 def mysql_columns(description) -> Columns:
@@ -108,9 +119,12 @@ def _need(module: str, fmt: str):
                        f"(pip install 'qag[{EXTRA}]'); ask an administrator, or use json, ndjson or csv.") from None
 
 
+OPTIONAL = {"yaml": "yaml", "xlsx": "openpyxl", "parquet": "pyarrow.parquet"}  # format -> its optional library
+
+
 def available(fmt: str) -> None:
     """Raise 501 format_unavailable before anything runs when fmt's library is missing."""
-    mod = {"yaml": "yaml", "xlsx": "openpyxl", "parquet": "pyarrow.parquet"}.get(fmt)
+    mod = OPTIONAL.get(fmt)
     if mod is not None:
         _need(mod, fmt)
 

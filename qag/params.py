@@ -292,7 +292,7 @@ def neutralize(sql: str, dialect: str) -> str:
 
 class ParamSpec:
     __slots__ = ("name", "type", "required", "default", "has_default", "enum", "min", "max", "min_length",
-                 "max_length", "pattern", "_re")
+                 "max_length", "pattern", "_re", "_rules")
 
     def to_dict(self) -> dict:
         out: dict[str, Any] = {"type": self.type, "required": self.required}
@@ -413,6 +413,9 @@ def _spec_from(d: dict, name: str) -> ParamSpec:
     s.max_length = d.get("max_length")
     s.pattern = d.get("pattern")
     s._re = re.compile(s.pattern) if s.pattern is not None else None
+    # whether _check_rules can refuse anything of this spec's (bind skips the call when it cannot)
+    s._rules = (s.enum is not None or s.min is not None or s.max is not None or
+                s.type == "str" and (s.min_length is not None or s.max_length is not None or s._re is not None))
     return s
 
 
@@ -476,9 +479,7 @@ def bind(specs: tuple[ParamSpec, ...], given: dict[str, Any], max_bytes: int) ->
     errors: dict[str, str] = {}
     missing = False
     values: dict[str, Any] = {}
-    known = set()
     for spec in specs:
-        known.add(spec.name)
         raw = given.get(spec.name, _MISSING)
         if raw is _MISSING or (isinstance(raw, str) and raw == "" and spec.type != "str"):
             if spec.has_default:
@@ -502,18 +503,30 @@ def bind(specs: tuple[ParamSpec, ...], given: dict[str, Any], max_bytes: int) ->
         if isinstance(raw, str) and len(raw) > max_bytes // 4 and len(raw.encode("utf-8")) > max_bytes:
             errors[spec.name] = f"is longer than {max_bytes} bytes"
             continue
-        try:
-            v = _convert(spec, raw)
-        except ValueError as exc:
-            errors[spec.name] = str(exc)
-            continue
-        problem = _check_rules(spec, v)
-        if problem:
-            errors[spec.name] = problem
-            continue
+        if raw.__class__ is str and spec.type == "int":  # a query string's integer, read as _convert reads it
+            text = raw.strip()
+            if not _INT_RE.fullmatch(text):
+                errors[spec.name] = "must be an integer"
+                continue
+            v = int(text)
+            if not INT_MIN <= v <= INT_MAX:
+                errors[spec.name] = "must be a signed 64-bit integer"
+                continue
+        else:
+            try:
+                v = _convert(spec, raw)
+            except ValueError as exc:
+                errors[spec.name] = str(exc)
+                continue
+        if spec._rules:
+            problem = _check_rules(spec, v)
+            if problem:
+                errors[spec.name] = problem
+                continue
         values[spec.name] = v
     for name in given:
-        if name not in known:
+        # every spec's name is in values or errors by now: any other name is not a parameter
+        if name not in values and name not in errors:
             errors[name] = "is not a parameter of this query"
     if errors:
         only_missing = missing and all(v == "is required" for v in errors.values())

@@ -91,6 +91,8 @@ def _fast_option(columns, rows):
     types = getattr(columns, "types", None)
     if types is None or len(types) != width:
         types = (None,) * width
+    elif _FAST_TYPES.issuperset(types):  # no column to scan: the loop below would find nothing
+        return _OPT if _f.TIMESTAMPTZ in types or _f.TIME in types else _OPT_NAIVE
     seen: set = set()
     for i, ty in enumerate(types):
         if ty not in _FAST_TYPES:

@@ -15,6 +15,7 @@ from qag.errors import ApiError
 
 TRUE = frozenset(("1", "true", "yes", "on"))
 FALSE = frozenset(("0", "false", "no", "off", ""))
+TRUE_OR_FALSE = TRUE | FALSE
 FORMAT_NAMES = ", ".join(render.FORMATS)
 MAX_OFFSET = (2 ** 63 - 1) // 2
 
@@ -26,12 +27,16 @@ class CallOptions:
 def call_options(given: dict, cfg) -> CallOptions:
     """Split reserved names (format, page, page_size, version, timeout, stream) from parameters."""
     o = CallOptions()
-    fmt = given.get("format", "json")
-    if not isinstance(fmt, str) or fmt.lower() not in render.FORMATS:
+    get = given.get
+    fmt = get("format", "json")
+    low = fmt.lower() if isinstance(fmt, str) else None
+    if low not in render.FORMATS:
         raise ApiError(400, "invalid_format", f"format must be one of {FORMAT_NAMES}, not {fmt!r}.")
-    o.format = fmt.lower()
-    formats.available(o.format)
-    o.page = _int_opt(given, "page", 1, 1, None)
+    o.format = low
+    if low in formats.OPTIONAL:
+        formats.available(low)
+    raw = get("page")
+    o.page = 1 if raw is None or raw == "" else _int_opt(given, "page", 1, 1, None)
     o.page_size = _int_opt(given, "page_size", cfg.default_page_size, 1, cfg.max_page_size)
     if o.page > MAX_OFFSET // o.page_size:
         # The offset (page - 1) * page_size must stay a signed 64-bit integer on every database; the data
@@ -70,7 +75,7 @@ def call_options(given: dict, cfg) -> CallOptions:
         o.stream = False
     elif isinstance(s, bool):
         o.stream = s
-    elif isinstance(s, str) and s.lower() in TRUE | FALSE:
+    elif isinstance(s, str) and s.lower() in TRUE_OR_FALSE:
         o.stream = s.lower() in TRUE
     else:
         raise ApiError(400, "invalid_stream", "stream must be true or false.")
@@ -98,11 +103,14 @@ def _int_opt(given: dict, name: str, default: int, lo: int, hi: int | None) -> i
     if raw is None or raw == "":
         return default
     try:
-        if isinstance(raw, bool) or isinstance(raw, list):
-            raise ValueError
-        v = int(raw)
-        if isinstance(raw, float) and not raw.is_integer():
-            raise ValueError
+        if raw.__class__ is str:  # a query string's value: what int() reads, as below
+            v = int(raw)
+        else:
+            if isinstance(raw, bool) or isinstance(raw, list):
+                raise ValueError
+            v = int(raw)
+            if isinstance(raw, float) and not raw.is_integer():
+                raise ValueError
     except (TypeError, ValueError, OverflowError):  # OverflowError: a JSON body's Infinity
         raise ApiError(400, "invalid_paging", f"{name} must be an integer.") from None
     if v < lo or (hi is not None and v > hi):
