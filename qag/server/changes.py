@@ -27,6 +27,7 @@ _time_ns = time.time_ns
 
 KIND = {"connection": "connection", "query": "query", "api_key": "key", "admin": "key"}
 POLL_S = 0.5     # the fallback read of the change log (one indexed SELECT), and the heartbeat's period
+INDEX_MAX = 4096  # generation slots whose index a worker keeps (WatchedGenerations._index)
 STALE_S = 3.0    # a heartbeat older than this: the watcher is not caught up (hung, or cannot read the store);
                  # six periods, so a loaded machine's late beat does not send the workers to the store
 ROLE = "other"   # the watcher's slot role (shm/LAYOUT.md [Slot metadata] W1)
@@ -60,7 +61,7 @@ class WatchedGenerations:
     every lookup rebuilds from the store and nothing built meanwhile matches the segment (the plane never
     uses it). Everything else (bumps, gauges) goes to the segment."""
 
-    __slots__ = ("_beat", "_gen", "_never", "_q", "_stale_ns", "_value", "seg", "slot")
+    __slots__ = ("_beat", "_index", "_never", "_q", "_stale_ns", "_value", "seg", "slot")
 
     def __init__(self, seg, slot: int, stale_s: float = STALE_S):
         self.seg = seg
@@ -68,7 +69,7 @@ class WatchedGenerations:
         self._stale_ns = int(stale_s * 1e9)
         self._beat, self._value = seg.heartbeat_indexes(slot)
         self._q = seg.words()  # the hot path reads the two heartbeat words itself: two loads, no calls (M2)
-        self._gen = seg.gen
+        self._index: dict[tuple[str, str], int] = {}  # (kind, ident) -> its u64 index in the segment
         self._never = itertools.count(1 << 62)  # real generations never get near 2^62
 
     def current(self) -> bool:
@@ -78,8 +79,19 @@ class WatchedGenerations:
     def gen(self, kind: str, ident: str) -> int:
         q = self._q
         if q[self._value] != 0 and _time_ns() - q[self._beat] < self._stale_ns:
-            return self._gen(kind, ident)
+            i = self._index.get((kind, ident))
+            if i is None:
+                i = self._index_of(kind, ident)
+            return q[i]
         return next(self._never)
+
+    def _index_of(self, kind: str, ident: str) -> int:
+        """ident's generation slot in the segment (seg.gen_index: fixed for the segment's life), kept per name;
+        bounded, since a caller may name queries that do not exist."""
+        if len(self._index) >= INDEX_MAX:
+            self._index.clear()
+        i = self._index[(kind, ident)] = self.seg.gen_index(kind, ident)
+        return i
 
     def global_gen(self) -> int:
         if self.current():
