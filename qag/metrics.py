@@ -52,6 +52,19 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                   "answer, by reason.", ("reason",)),
     "qag_http_dropped_total": ("counter", "Client connections a worker closed on the client's account, by reason "
                                "(header_timeout, send_timeout, evicted at QAG_MAX_CONNECTIONS).", ("reason",)),
+    "qag_response_cache_total": ("counter", ("Lookups of saved queries' cached answers (cache_ttl), by result: hit, "
+                                             "miss, stale (the previous answer while another call fills it), "
+                                             "waited (a hit after waiting on that call), bypass (not cacheable: "
+                                             "no response cache, an argument without encoding, the change watcher "
+                                             "behind), rejected (an answer larger than the largest record)."),
+                                 ("result",)),
+    "qag_response_cache_bytes": ("gauge", "Bytes of the host's cached answers (records the index points at).", ()),
+    "qag_response_cache_capacity_bytes": ("gauge", "Bytes of the response cache's arena (QAG_RESPONSE_CACHE_MB "
+                                                   "less its index).", ()),
+    "qag_response_cache_entries": ("gauge", "Cached answers held on the host.", ()),
+    "qag_response_cache_evictions_total": ("counter", ("Cached answers dropped on the host, by cause: room (the "
+                                                       "arena lapped or an index bucket was full), removed (an "
+                                                       "administrator's DELETE /api/v1/cache)."), ("cause",)),
 }
 
 # Series exported from the first scrape, before anything happened: `increase()` needs a sample before the
@@ -61,6 +74,7 @@ INITIAL_LABELS: dict[str, tuple[tuple[str, ...], ...]] = {
     "qag_plan_cache_total": (("hit",), ("miss",)),
     "qag_limits_fallback_total": (("redis_unavailable",),),
     "qag_http_dropped_total": (("header_timeout",), ("send_timeout",), ("evicted",)),
+    "qag_response_cache_total": (("hit",), ("miss",)),
 }
 
 def reference_markdown() -> str:
@@ -112,6 +126,7 @@ class LocalBackend:
 
 _HIT = (("result", "hit"),)
 _MISS = (("result", "miss"),)
+_RESULT = {r: (("result", r),) for r in ("hit", "miss", "stale", "waited", "bypass", "rejected")}
 
 
 class Observer:
@@ -204,6 +219,11 @@ class Observer:
     def limit_fallback(self, reason: str) -> None:
         with self.lock:
             self.backend.counter_add(self.slot, "qag_limits_fallback_total", (("reason", reason),), 1)
+
+    def response_cache(self, result: str) -> None:
+        """One lookup of a cached answer (qag/http/data.py), by result (METRICS: qag_response_cache_total)."""
+        with self.lock:
+            self.backend.counter_add(self.slot, "qag_response_cache_total", _RESULT[result], 1)
 
     def store_statement(self) -> None:
         with self.lock:

@@ -18,7 +18,7 @@ import falcon
 from qag import __version__
 from qag.auth import Auth
 from qag.errors import ApiError, DomainError
-from qag.http import catalog, console, data, manage, ops, roles, runs
+from qag.http import cache, catalog, console, data, manage, ops, roles, runs
 from qag.http import errors as http_errors
 from qag.http.common import request_id
 from qag.metrics import Observer
@@ -107,6 +107,7 @@ class QagApp:
         self.subscribers = OpenCount("subscriber", cfg.key_subscribers, cfg.max_subscribers, segment, slot)
         self.connection_calls = InFlight(cfg.connection_calls)
         self.caller_calls = CallerCalls(segment, slot)  # keys' and roles' max_concurrent
+        self.responses = response_cache(cfg, segment)  # saved queries' cached answers (qag/http/data.py)
         self.behind_plane = bool(getattr(cfg, "public_bind", None)) and str(cfg.bind).startswith("unix:")
         middleware: list = [RequestIdMiddleware(self)]
         if getattr(cfg, "cors_origins", ()):
@@ -124,6 +125,7 @@ class QagApp:
         roles.register(self)
         console.register(self)
         manage.register(self)
+        cache.register(self)
         ops.register(self)
         runs.register(self)
         self.falcon.add_sink(self._not_found, r"/")
@@ -166,6 +168,20 @@ class QagApp:
 
     def _not_found(self, req, resp, **kw):
         raise ApiError(404, "not_found", f"There is no route {req.method} {req.path}; see /openapi.json.")
+
+
+def response_cache(cfg, segment):
+    """The host's response cache: the segment's region (shm/LAYOUT.md [Response cache]), or, for an app without a
+    segment (in-process tools and tests), one in this process of QAG_RESPONSE_CACHE_MB (at most 16); None when
+    QAG_RESPONSE_CACHE_MB is 0."""
+    if segment is not None:
+        rc = segment.responses
+        return rc if rc.enabled else None
+    mb = min(int(getattr(cfg, "response_cache_mb", 0) or 0), 16)
+    if not mb:
+        return None
+    from shm.responses import Responses
+    return Responses.private(mb << 20)
 
 
 def create_app(cfg=None, *, store=None, generations=None, observer=None, recorder=None, segment=None) -> QagApp:

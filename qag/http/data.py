@@ -2,8 +2,9 @@
 authenticate → plan → bind → execute → govern → render → record.
 
 Each stage is a function of the call (`Call`) and stamps its end on it; the times go to histograms and to a
-`Server-Timing` header. Between bind and execute, a saved query's cache_ttl answers from this worker's result
-cache (`ResultCache`), and `?stream=true` hands the call to `stream`, which executes, governs, renders and
+`Server-Timing` header. Between bind and execute, a saved query's cache_ttl answers from the host's response
+cache in the shared segment (`from_cache`; shm/LAYOUT.md [Response cache]), and `?stream=true` hands the call to
+`stream`, which executes, governs, renders and
 records as the rows go out. Paging is the plan's (`plan.paged_sql`), or a slice of the result here for a
 statement the plan cannot page.
 """
@@ -24,11 +25,13 @@ from qag.http import errors as http_errors
 from qag.http.common import client_addr, read_json
 from qag.http.options import call_options
 from qag.render import FORMATS, RENDERERS, STREAMERS
+from shm import responses as R
 
 ROUTE = "/q/{name}"
 SERVER_TIMING = ("auth;dur=%.3f, plan;dur=%.3f, bind;dur=%.3f, execute;dur=%.3f, govern;dur=%.3f, "
                  "render;dur=%.3f")
-RESULT_CACHE_ENTRIES = 4096
+NOT_CURRENT = 1 << 62   # generations this high are qag/server/changes.py's "watcher behind" values: never cached
+FILL_POLL_S = (0.001, 0.002, 0.005, 0.01)  # a waiter's polls of the response cache while another call fills (R13)
 
 _log = logging.getLogger("qag.calls")
 
@@ -42,7 +45,6 @@ class DataResource:
 
     def __init__(self, app):
         self.app = app
-        self.cache = ResultCache()
 
     def on_get(self, req, resp, name):
         given = dict(req.params)
@@ -82,26 +84,29 @@ class DataResource:
         finally:
             if c.held is not None:   # its place in the caller's max_concurrent (a stream gives it back itself)
                 c.app.caller_calls.release(c.held)
+            if c.fill:               # the claim to fill this answer (R13): stored, or failed; others go on
+                c.app.responses.release(c.cache_hash, c.fill)
 
 
 class Call:
     """One `/q` call on its way through the stages: what each stage made, and when it ended."""
 
-    __slots__ = ("app", "rt", "cache", "req", "resp", "name", "t0", "run", "principal", "limits", "opts", "t_auth",
-                 "plan", "connector", "plan_hit", "t_plan", "args", "t_bind", "cache_key", "cols", "rows", "count",
-                 "t_exec", "query_seconds", "t_gov", "body", "nrows", "t_render", "status", "held", "row_limit")
+    __slots__ = ("app", "rt", "req", "resp", "name", "t0", "run", "principal", "limits", "opts", "t_auth",
+                 "plan", "connector", "plan_hit", "t_plan", "args", "t_bind", "cache_key", "cache_hash", "fill", "cols",
+                 "rows", "count", "t_exec", "query_seconds", "t_gov", "body", "nrows", "t_render", "status", "held",
+                 "row_limit", "has_more")
 
     def __init__(self, resource: DataResource, req, resp, name: str):
         self.app = resource.app
         self.rt = resource.app.runtime
-        self.cache = resource.cache
         self.req, self.resp, self.name = req, resp, name
         self.t0 = time.perf_counter()
         self.run: dict[str, Any] = {"at_us": time.time_ns() // 1000, "query": name, "version": None,
                                     "key_name": None, "connection": None, "rows": 0, "bytes": 0, "transport": "http",
                                     "error": None}
         self.principal = self.limits = self.plan_hit = self.cache_key = self.query_seconds = None
-        self.held = self.row_limit = None
+        self.held = self.row_limit = self.fill = None
+        self.has_more = False
 
 
 # -- the stages, in order --------------------------------------------------------------------------------------
@@ -227,6 +232,7 @@ def render(c: Call) -> None:
             start = (opts.page - 1) * opts.page_size
             rows = rows[start:]
         has_more = not plan.is_write and len(rows) > opts.page_size
+        c.has_more = has_more
         if has_more:
             rows = rows[:opts.page_size]
         body = RENDERERS[opts.format](c.cols, rows)
@@ -244,8 +250,7 @@ def render(c: Call) -> None:
     headers["content-type"] = FORMATS[opts.format]
     status = 200
     if c.cache_key is not None:
-        c.cache.put(c.cache_key, plan.cache_ttl, body, nrows, resp)
-        resp.set_header("X-Cache", "miss")
+        store(c, body, nrows)
     if opts.format in formats.DOWNLOADS:
         resp.set_header("Content-Disposition", formats.disposition(plan.query, opts.format))
     if c.cache_key is not None:
@@ -353,60 +358,91 @@ def conditional(req, resp, body: bytes) -> int:
     return 200
 
 
-# -- the result cache -------------------------------------------------------------------------------------------
-class ResultCache:
-    """A saved query's cache_ttl: repeat calls within ttl seconds are answered without the database. One per
-    worker, keyed by everything the answer depends on; at most RESULT_CACHE_ENTRIES (the expired ones go
-    first, then all)."""
-
-    __slots__ = ("entries",)
-
-    def __init__(self):
-        self.entries: dict = {}
-
-    def get(self, key):
-        """(expires, body, headers, rows) while fresh, else None."""
-        hit = self.entries.get(key)
-        if hit is not None and hit[0] > time.monotonic():
-            return hit
-        return None
-
-    def put(self, key, ttl: int, body: bytes, nrows: int, resp) -> None:
-        if len(self.entries) >= RESULT_CACHE_ENTRIES:
-            now = time.monotonic()
-            self.entries = {k: v for k, v in self.entries.items() if v[0] > now}
-            if len(self.entries) >= RESULT_CACHE_ENTRIES:
-                self.entries.clear()
-        etag = f'"{hashlib.blake2b(body, digest_size=12).hexdigest()}"'
-        resp.set_header("ETag", etag)
-        resp.set_header("Cache-Control", f"private, max-age={int(ttl)}")
-        headers = [(h, resp.get_header(h)) for h in ("X-Page", "X-Page-Size", "X-Row-Count", "X-Has-More", "ETag",
-                                                     "Cache-Control") if resp.get_header(h) is not None]
-        self.entries[key] = (time.monotonic() + ttl, body, headers, nrows)
-
-
+# -- the response cache (shm/LAYOUT.md [Response cache]) ----------------------------------------------------------
 def from_cache(c: Call) -> bool:
-    """A cacheable call (a read with cache_ttl, not streamed) gets its key here; a fresh entry answers it
-    (X-Cache: hit, or 304), a miss is stored by render()."""
+    """A cacheable call (a read with cache_ttl, not streamed) gets its key (R5) here; a fresh answer in the host's
+    response cache answers it (X-Cache: hit, or 304). On a miss one caller per key fills (R13): it claims the key
+    and render() stores its answer; a caller that finds the key claimed gets the previous answer at once, if there
+    is one, else waits for the filler's answer (bounded by the filler's statement limit, and over as soon as the
+    filler is gone), then runs the statement itself."""
     plan, opts = c.plan, c.opts
     if not (plan.cache_ttl and not plan.is_write and not opts.stream):
         return False
-    c.cache_key = (c.principal.name, plan.query, plan.version, plan.connection, plan.gens, c.args, opts.page,
-                   opts.page_size, opts.format)
-    hit = c.cache.get(c.cache_key)
-    if hit is None:
+    c.cache_key = b""  # a cacheable answer (ETag, Cache-Control, X-Cache: miss) that is not stored, unless a key
+    rc = c.app.responses
+    gens = plan.gens
+    if rc is None or gens[1] >= NOT_CURRENT or gens[2] >= NOT_CURRENT:
+        c.app.observer.response_cache("bypass")
         return False
-    resp = c.resp
-    _, body, headers, nrows = hit
-    for hk, hv in headers:
-        resp.set_header(hk, hv)
+    prefix = plan.response_prefix
+    if prefix is None:
+        prefix = plan.response_prefix = entries.response_prefix(plan)
+    suffix = R.suffix(opts.format, opts.page, opts.page_size, c.args)
+    if suffix is None:
+        c.app.observer.response_cache("bypass")
+        return False
+    key = c.cache_key = prefix + suffix
+    h = c.cache_hash = R.key_hash(key)
+    rec = rc.get(key, h)
+    if rec is not None and not rec.stale:
+        return answer(c, rc, rec, "hit")
+    token, slot = rc.claim(h, opts.timeout or c.app.cfg.query_timeout)
+    if token:
+        c.fill = token if token > 0 else None  # -1: the fill slot is another key's; fill without a claim
+        return False
+    if rec is not None and time.time_ns() < rec.expires_at_ns + rec.ttl_s * 1_000_000_000:
+        return answer(c, rc, rec, "stale")  # the previous answer (expired within a ttl), while another makes it
+    polls = 0
+    while True:
+        time.sleep(FILL_POLL_S[min(polls, len(FILL_POLL_S) - 1)])
+        polls += 1
+        rec = rc.get(key, h)
+        if rec is not None and not rec.stale:
+            return answer(c, rc, rec, "waited")
+        if not rc.filling(h, slot):
+            break
+    token, _ = rc.claim(h, opts.timeout or c.app.cfg.query_timeout)  # the filler ended without an answer
+    c.fill = token if token > 0 else None
+    return False
+
+
+def answer(c: Call, rc, rec, result: str) -> bool:
+    """A cached answer (R15): the body, its paging headers, ETag, Cache-Control, X-Cache: hit; 304 when
+    If-None-Match names its ETag. The run is recorded and counted toward quotas like any other (record())."""
+    resp, opts, plan = c.resp, c.opts, c.plan
+    resp.set_header("X-Page", str(opts.page))
+    resp.set_header("X-Page-Size", str(opts.page_size))
+    resp.set_header("X-Row-Count", str(rec.rows))
+    resp.set_header("X-Has-More", "true" if rec.has_more else "false")
+    if c.row_limit is not None:
+        resp.set_header("X-Row-Limit", str(c.row_limit))
+    resp.set_header("ETag", rec.etag)
+    resp.set_header("Cache-Control", f"private, max-age={rec.ttl_s}")
     resp.set_header("X-Cache", "hit")
     if opts.format in formats.DOWNLOADS:
         resp.set_header("Content-Disposition", formats.disposition(plan.query, opts.format))
     resp.content_type = FORMATS[opts.format]
-    c.status = status = conditional(c.req, resp, body)
-    c.run["rows"], c.run["bytes"] = nrows, len(body) if status == 200 else 0
+    c.status = status = conditional(c.req, resp, rec.body)
+    c.run["rows"], c.run["bytes"] = rec.rows, len(rec.body) if status == 200 else 0
+    rc.hit(rec)
+    if rec.old and not rec.stale:
+        rc.refresh(c.cache_key, c.cache_hash, rec)  # R11: a used answer moves out of the arena's older half
+    c.app.observer.response_cache(result)
     return True
+
+
+def store(c: Call, body: bytes, nrows: int) -> None:
+    """A cacheable answer made now: its ETag and Cache-Control, X-Cache: miss, and into the response cache when it
+    has a key (R7; an answer larger than the largest record is not stored, counted)."""
+    resp, ttl = c.resp, int(c.plan.cache_ttl)
+    etag = hashlib.blake2b(body, digest_size=16).digest()
+    resp.set_header("ETag", f'"{etag.hex()}"')
+    resp.set_header("Cache-Control", f"private, max-age={ttl}")
+    resp.set_header("X-Cache", "miss")
+    if c.cache_key:
+        stored = c.app.responses.put(c.cache_key, c.cache_hash, body, rows=nrows, has_more=c.has_more,
+                                     ttl_s=ttl, etag=etag)
+        c.app.observer.response_cache("miss" if stored else "rejected")
 
 
 # -- ?stream=true ----------------------------------------------------------------------------------------------

@@ -108,13 +108,32 @@ USAGE = {"type": "object", "properties": {
     "period": {"type": "string"}, "calls": {"type": "integer"}, "errors": {"type": "integer"},
     "rows": {"type": "integer"}}}
 ANY = {"type": "object"}
+CACHE_TOTALS = {"type": "object", "required": ["enabled", "capacity_bytes", "bytes_used", "entries"], "properties": {
+    "enabled": {"type": "boolean"}, "capacity_bytes": {"type": "integer"}, "bytes_used": {"type": "integer"},
+    "entries": {"type": "integer"}, "max_entry_bytes": {"type": "integer"}, "puts": {"type": "integer"},
+    "evictions": {"type": "integer"}, "removals": {"type": "integer"}, "rejects": {"type": "integer"},
+    "refreshes": {"type": "integer"}, "repairs": {"type": "integer"}}}
+CACHE_ENTRY = {"type": "object", "properties": {
+    "query": {"type": "string"}, "version": {"type": "integer"}, "connection": {"type": "string"},
+    "format": {"type": "string"}, "page": {"type": "integer"}, "page_size": {"type": "integer"},
+    "bytes": {"type": "integer"}, "body_bytes": {"type": "integer"}, "rows": {"type": "integer"},
+    "age_s": {"type": "number"}, "ttl_s": {"type": "integer"}, "ttl_left_s": {"type": "number"},
+    "fresh": {"type": "boolean"}, "hits": {"type": "integer"}, "etag": {"type": "string"},
+    "masking": {"type": "string", "description": "the masking fingerprint: equal for callers whose masking "
+                                                 "shapes the answer alike"}}}
 
 COMPONENTS = {"Error": ERROR, "Connection": CONNECTION, "ConnectionList": _list_of("#/components/schemas/Connection"),
               "Query": QUERY, "QueryList": _list_of("#/components/schemas/Query"), "Version": VERSION,
               "VersionList": _list_of("#/components/schemas/Version"), "ApiKey": KEY,
               "ApiKeyList": _list_of("#/components/schemas/ApiKey"), "Run": RUN,
               "RunList": _list_of("#/components/schemas/Run"), "Usage": USAGE,
-              "UsageList": _list_of("#/components/schemas/Usage"), "Rows": {"type": "array", "items": ANY}}
+              "UsageList": _list_of("#/components/schemas/Usage"), "Rows": {"type": "array", "items": ANY},
+              "CacheList": {"type": "object", "required": ["items", "totals"], "properties": {
+                  "items": {"type": "array", "items": CACHE_ENTRY}, "totals": CACHE_TOTALS,
+                  "next_cursor": {"type": "null"}}},
+              "CacheEviction": {"type": "object", "required": ["evicted"], "properties": {
+                  "evicted": {"type": "integer", "description": "answers evicted on this host"},
+                  "query": {"type": ["string", "null"]}, "totals": CACHE_TOTALS}}}
 
 
 def _err(desc: str) -> dict:
@@ -172,7 +191,9 @@ DATA_ERRORS = {"400": _err("Bad parameters or call options"), "401": _err("No or
                "429": _err("Rate limit, quota or the key's max_concurrent"),
                "500": _err("The database rejected the statement"),
                "502": _err("The database is unreachable"), "503": _err("Too many streams"),
-               "504": _err("Over the time limit")}
+               "504": _err("Over the time limit"),
+               "304": {"description": "Not modified: If-None-Match names the ETag of a query's cached answer "
+                                      "(cache_ttl); no body"}}
 
 
 def _rows_response() -> dict:
@@ -296,6 +317,19 @@ def static_paths() -> dict:
             "post": _op("rotate_key", "Rotate a key's secret", _json("ApiKey"),
                         body=body_schema(("grace_minutes",)), errors={**ADMIN_ERRORS, "404": _err("No such key")})},
         "/api/v1/audit": {"get": _op("audit", "The audit log", _json({"type": "object"}))},
+        "/api/v1/cache": {
+            "get": _op("list_cache", "This host's cached answers of saved queries (cache_ttl), newest first, and "
+                       "the response cache's totals", _json("CacheList"),
+                       params=[_q("query", "Only this query's answers"),
+                               _q("limit", "Most entries listed (1-1000, default 100)",
+                                  {"type": "integer", "minimum": 1, "maximum": 1000})]),
+            "delete": _op("evict_cache", "Evict cached answers, on every host (all, or one query's)",
+                          _json("CacheEviction"), params=[_q("query", "Only this query's answers")],
+                          errors={**ADMIN_ERRORS, "404": _err("No such query")})},
+        "/api/v1/cache/{name}": {
+            "parameters": PATH_NAME,
+            "delete": _op("evict_cache_query", "Evict one query's cached answers, on every host",
+                          _json("CacheEviction"), errors={**ADMIN_ERRORS, "404": _err("No such query")})},
         "/api/v1/history": {"get": _op("history", "Run history, newest first", _json("RunList"), params=[
             _q(n, d) for n, d in (("query", "Query name"), ("key", "Key name"), ("status", "HTTP status"),
                                   ("since", "RFC 3339"), ("until", "RFC 3339"), ("limit", "Page size"),

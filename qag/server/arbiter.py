@@ -201,6 +201,19 @@ class Child:
                 proc.kill()
 
 
+def response_cache_bytes(cfg, slots: int) -> int:
+    """QAG_RESPONSE_CACHE_MB in bytes, checked against QAG_SHM_SIZE (shm/LAYOUT.md [Geometry]): a value that does
+    not fit stops the start with a message naming both settings (issue 17's "Bad input")."""
+    from shm import layout
+    mb = int(getattr(cfg, "response_cache_mb", 0) or 0)
+    most = layout.max_responses_size(cfg.shm_size, slots) if cfg.shm_size >= layout.MIN_SIZE else 0
+    if mb << 20 > most:
+        raise StartFailed(f"QAG_RESPONSE_CACHE_MB={mb} does not fit in the shared-memory segment: with "
+                          f"QAG_SHM_SIZE={cfg.shm_size} and {slots} process slots the response cache may have at "
+                          f"most {most >> 20} MiB; lower QAG_RESPONSE_CACHE_MB or raise QAG_SHM_SIZE")
+    return mb << 20
+
+
 class ArbiterHooks:
     def __init__(self, cfg, workers: int = 1, plane: dict | None = None):
         self.cfg = cfg
@@ -222,8 +235,10 @@ class ArbiterHooks:
         slots = slot_count(self.workers)
         for addr in {getattr(self.cfg, "public_bind", None) or self.cfg.bind, self.cfg.bind}:
             _probe_bind(addr)  # before anything is made: gunicorn would retry for 5 s, logging each try
+        responses_size = response_cache_bytes(self.cfg, slots)  # StartFailed naming the settings if too large
         try:
-            self.segment = shm.Segment.create(self.segment_name, self.cfg.shm_size, slots=slots)
+            self.segment = shm.Segment.create(self.segment_name, self.cfg.shm_size, slots=slots,
+                                              responses_size=responses_size)
         except shm.LayoutError as exc:  # another running instance owns it: never remove that one's segment
             raise StartFailed(str(exc)) from None
         except (OSError, ValueError) as exc:

@@ -26,6 +26,7 @@ log = logging.getLogger("qag.changes")
 _time_ns = time.time_ns
 
 KIND = {"connection": "connection", "query": "query", "api_key": "key", "admin": "key"}
+RESPONSE_CACHE = "response_cache"  # audit entity of an eviction (qag/http/cache.py): evicted here, no generation
 POLL_S = 0.5     # the fallback read of the change log (one indexed SELECT), and the heartbeat's period
 INDEX_MAX = 4096  # generation slots whose index a worker keeps (WatchedGenerations._index)
 STALE_S = 3.0    # a heartbeat older than this: the watcher is not caught up (hung, or cannot read the store);
@@ -146,13 +147,24 @@ class ChangeWatcher:
         while True:
             rows = self.store.changes_since(self.position, BATCH)
             for seq, entity, name in rows:
-                kind, ident = kind_of(entity, name)
-                self.seg.bump(kind, ident)
+                if entity == RESPONSE_CACHE:  # an administrator evicted cached answers on some host: here too
+                    self.evict(name)
+                else:
+                    kind, ident = kind_of(entity, name)
+                    self.seg.bump(kind, ident)
                 self.position = seq
                 self.applied += 1
             if len(rows) < BATCH:
                 break
         self.seg.set_heartbeat(self.slot, self.position + 1)
+
+    def evict(self, query: str) -> None:
+        """`DELETE /api/v1/cache` made on any host (qag/http/cache.py): this host's answers of the query (`*`: all)
+        leave its response cache (shm/LAYOUT.md [Response cache] R12)."""
+        rc = self.seg.responses
+        if rc.enabled:
+            n = rc.remove(None if query == "*" else (lambda e: e.get("query") == query))
+            log.debug("change watcher: %d cached answers of %s evicted", n, query)
 
     def not_current(self, why: str) -> None:
         """W2: say so at once (workers stop trusting their caches now, not STALE_S later)."""

@@ -87,6 +87,14 @@ def segment_gauges(segment, runtime):
         if ps.get("role") == "recorder" and ps.get("heartbeat_ns"):
             yield "qag_recorder_lag_seconds", (), max(0.0, (now - ps["heartbeat_ns"]) / 1e9)
     yield "qag_generation", (), segment.global_gen()
+    rc = segment.responses
+    if rc.enabled:  # the host's response cache (shm/LAYOUT.md [Response cache] R2), one region for every worker
+        st = rc.stats()
+        yield "qag_response_cache_bytes", (), st["live_bytes"]
+        yield "qag_response_cache_capacity_bytes", (), st["capacity"]
+        yield "qag_response_cache_entries", (), st["live_entries"]
+        yield "qag_response_cache_evictions_total", ("room",), st["evictions"]
+        yield "qag_response_cache_evictions_total", ("removed",), st["removals"]
     yield "qag_change_watcher_current", (), 1 if runtime.generations.current() else 0
     for name, (in_use, idle) in runtime.pool_stats().items():
         yield "qag_pool_connections", (name, "in_use", str(runtime.slot)), in_use

@@ -1,9 +1,9 @@
 """Two `qag serve` instances (their own QAG_HOME, ports and segments) as one: one PostgreSQL metadata store, one
 Redis, one ClickHouse run store (the loopback chDB server over HTTP). A publish or a connection change made on host
 A invalidates B's cached answers within the store's notification delay, and so do a mask added to the key, a
-grant taken away and the query deleted; cache hits count toward a quota across hosts; a revocation on A stops B
-within that delay (measured over several trials); every run of both instances, hits included, lands in the one
-run store with distinct event ids.
+grant taken away and the query deleted; an administrator's eviction on A evicts on B; cache hits count toward a
+quota across hosts; a revocation on A stops B within that delay (measured over several trials); every run of both
+instances, hits included, lands in the one run store with distinct event ids.
 
 Quotas and rate limits under 16 callers over two hosts, and Redis killed mid-burst, are
 tests/e2e/test_core_limits.py's; a revocation while B's change watcher is killed, cut off or hung is
@@ -170,6 +170,31 @@ def test_grant_changes_and_a_delete_on_a_reach_b_cached_answers(hosts):
     assert r.status_code in (200, 204), r.text
     _, gone = _until(b, "/q/granted", secret, lambda r: r.status_code != 200, NOTIFY_S)
     assert gone.status_code == 404 and gone.json()["code"] == "query_not_found", gone.text
+
+
+def test_an_eviction_on_a_evicts_b_cached_answers(hosts):
+    """DELETE /api/v1/cache/{query} made on A (the host a load balancer happened to pick) reaches B through the
+    audit row's notification: B's change watcher evicts the same query's answers from B's segment, and only them."""
+    a, b = hosts["a"], hosts["b"]
+    for q in ("evicted", "kept"):
+        _post(a, "/api/v1/queries", {"name": q, "connection_name": "d", "sql": "SELECT n FROM t", "cache_ttl": 600,
+                                     "publish": True})
+    _, secret = _key(hosts, ["evicted", "kept"])
+    _hit(b, "/q/evicted", secret)
+    _hit(b, "/q/kept", secret)
+    r = requests.delete(a.base + "/api/v1/cache/evicted", headers=ADMIN, timeout=30)
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + NOTIFY_S
+    while True:
+        listed = requests.get(b.base + "/api/v1/cache", headers=ADMIN, timeout=30).json()["items"]
+        if not any(e["query"] == "evicted" for e in listed):
+            break
+        assert time.monotonic() < deadline, "B still holds the evicted query's answers"
+        time.sleep(0.05)
+    assert any(e["query"] == "kept" for e in listed), "B evicted another query's answers"
+    miss = requests.get(b.base + "/q/evicted", headers={"X-API-Key": secret}, timeout=10)
+    assert miss.status_code == 200 and miss.headers["X-Cache"] == "miss"
+    assert requests.get(b.base + "/q/kept", headers={"X-API-Key": secret}, timeout=10).headers["X-Cache"] == "hit"
 
 
 def test_cache_hits_count_toward_a_quota_across_hosts(hosts):
