@@ -161,6 +161,30 @@ async fn wait<S: Pooled>(pool: &Rc<RefCell<Pool<S>>>, rx: oneshot::Receiver<Gran
     (&mut w.rx).await.ok()
 }
 
+/// A place granted for opening a session, while the session is being opened: freed when dropped first.
+struct Place<S: Pooled> {
+    pool: Option<Rc<RefCell<Pool<S>>>>,
+}
+
+impl<S: Pooled> Place<S> {
+    fn pool(&self) -> &Rc<RefCell<Pool<S>>> {
+        self.pool.as_ref().expect("a place holds its pool until kept")
+    }
+
+    /// Connecting ended (either way): the caller accounts for the place from here.
+    fn keep(mut self) -> Rc<RefCell<Pool<S>>> {
+        self.pool.take().expect("a place is kept once")
+    }
+}
+
+impl<S: Pooled> Drop for Place<S> {
+    fn drop(&mut self) {
+        if let Some(pool) = self.pool.take() {
+            pool.borrow_mut().slots.closed();
+        }
+    }
+}
+
 /// A checked-out session; goes back to its pool when dropped, unless it broke or was dropped mid-exchange.
 pub(crate) struct Lease<S: Pooled> {
     pool: Rc<RefCell<Pool<S>>>,
@@ -203,8 +227,15 @@ impl<S: Pooled> Lease<S> {
                     pool.borrow_mut().slots.closed();
                 }
                 Grant::Open => {
-                    let spec = pool.borrow().spec.clone();
-                    return match S::connect(&spec).await {
+                    // The place is this call's until it holds a session: given back if connecting fails, and
+                    // also if the call is dropped while connecting (its client went away, the deadline fired),
+                    // else the place would stay counted with no session in it, and once every place had gone
+                    // that way each later call would wait forever.
+                    let place = Place { pool: Some(pool) };
+                    let spec = place.pool().borrow().spec.clone();
+                    let connected = S::connect(&spec).await;
+                    let pool = place.keep();
+                    return match connected {
                         Ok(session) => Ok(Lease { pool, session: Some(session), reused: false }),
                         Err(e) => {
                             pool.borrow_mut().slots.closed();
@@ -243,6 +274,35 @@ mod tests {
         p.closed();
         assert!(matches!(second.try_recv(), Ok(Grant::Open)), "a closed session's place goes to the next waiter");
         drop(first);
+    }
+
+    /// A session whose connect never finishes (a server that accepted and never answered).
+    struct Never;
+
+    impl Pooled for Never {
+        type Spec = ();
+
+        async fn connect(_: &()) -> Result<Never, ExecError> {
+            std::future::pending().await
+        }
+
+        fn reusable(&self) -> bool {
+            true
+        }
+
+        fn close(self) {}
+    }
+
+    #[test]
+    fn a_call_dropped_while_connecting_frees_its_place() {
+        let pool = Rc::new(RefCell::new(Pool::<Never> { spec: (), slots: Slots::new(1) }));
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            // the call connects in the one place and is dropped (its client went away) before it finishes
+            let gave_up = tokio::time::timeout(std::time::Duration::from_millis(20), Lease::get(pool.clone())).await;
+            assert!(gave_up.is_err());
+        });
+        assert!(matches!(pool.borrow_mut().slots.acquire(), Acquired::Open), "the place is free again, not leaked");
     }
 
     #[test]
