@@ -1,7 +1,7 @@
 //! Masking transforms, identical to qag/governance/transforms.py: per-position hash (HMAC-SHA256 of the
 //! value's text, first 16 hex characters), mask (first character + "***", an email keeps its domain), null, drop.
 
-use crate::render::{write_jvalue, Cell};
+use crate::render::{write_jvalue, Cell, Page};
 use crate::pyfmt::float_repr;
 use hmac::{Hmac, KeyInit, Mac};
 use sha2::Sha256;
@@ -66,30 +66,32 @@ pub fn mask_text(t: &str) -> String {
     }
 }
 
-/// apply_transforms: (columns, rows) -> (kept columns, transformed rows). None when the width differs
-/// (Python answers 403 mask_unresolvable: the caller decides before executing, so this is a safety net).
-pub fn apply(actions: &[Action], key: &[u8], columns: Vec<String>, rows: Vec<Vec<Cell>>) -> Option<(Vec<String>, Vec<Vec<Cell>>)> {
-    if actions.len() != columns.len() {
+/// apply_transforms: the page with each column's action applied (dropped columns gone). None when the width
+/// differs (Python answers 403 mask_unresolvable: the caller decides before executing, so this is a safety
+/// net). A kept cell is moved, not copied; only hashed and masked ones are new.
+pub fn apply(actions: &[Action], key: &[u8], page: Page) -> Option<Page> {
+    if actions.len() != page.width() {
         return None;
     }
-    let cols = columns.into_iter().zip(actions).filter(|(_, a)| **a != Action::Drop).map(|(c, _)| c).collect();
-    let rows = rows
-        .into_iter()
-        .map(|r| {
-            r.into_iter()
-                .zip(actions)
-                .filter(|(_, a)| **a != Action::Drop)
-                .map(|(c, a)| match a {
-                    Action::Keep => c,
-                    Action::Null => Cell::Null,
-                    Action::Hash => text_of(&c).map_or(Cell::Null, |t| Cell::Str(hash_text(key, &t))),
-                    Action::Mask => text_of(&c).map_or(Cell::Null, |t| Cell::Str(mask_text(&t))),
-                    Action::Drop => unreachable!(),
-                })
-                .collect()
-        })
-        .collect();
-    Some((cols, rows))
+    let Page { columns, cells, rows } = page;
+    let columns: Vec<String> = columns.into_iter().zip(actions).filter(|(_, a)| **a != Action::Drop).map(|(c, _)| c).collect();
+    let mut out = Page::with_capacity(columns, rows);
+    let mut row = Vec::with_capacity(actions.len());
+    let mut cells = cells.into_iter();
+    for _ in 0..rows {
+        row.clear();
+        for (c, a) in cells.by_ref().take(actions.len()).zip(actions) {
+            match a {
+                Action::Keep => row.push(c),
+                Action::Null => row.push(Cell::Null),
+                Action::Hash => row.push(text_of(&c).map_or(Cell::Null, |t| Cell::Str(hash_text(key, &t)))),
+                Action::Mask => row.push(text_of(&c).map_or(Cell::Null, |t| Cell::Str(mask_text(&t)))),
+                Action::Drop => {}
+            }
+        }
+        out.push_row(row.drain(..));
+    }
+    Some(out)
 }
 
 #[cfg(test)]
@@ -128,9 +130,12 @@ mod tests {
         let acts = [Action::Keep, Action::Drop, Action::Null, Action::Mask, Action::Hash];
         let rows = vec![vec![Cell::Int(1), Cell::Str("x".into()), Cell::Str("y".into()), Cell::Null, Cell::Null]];
         let cols = ["a", "b", "c", "d", "e"].iter().map(|s| s.to_string()).collect();
-        let (c, r) = apply(&acts, b"k", cols, rows).unwrap();
-        assert_eq!(c, vec!["a", "c", "d", "e"]);
-        assert_eq!(r, vec![vec![Cell::Int(1), Cell::Null, Cell::Null, Cell::Null]]);
-        assert!(apply(&acts, b"k", vec!["a".into()], vec![]).is_none());
+        let p = apply(&acts, b"k", Page::from_rows(cols, rows)).unwrap();
+        assert_eq!(p.columns, vec!["a", "c", "d", "e"]);
+        assert_eq!((p.rows, p.cells), (1, vec![Cell::Int(1), Cell::Null, Cell::Null, Cell::Null]));
+        assert!(apply(&acts, b"k", Page::from_rows(vec!["a".into()], vec![])).is_none());
+        // rows of no columns stay rows
+        let p = apply(&[], b"k", Page::from_rows(vec![], vec![vec![], vec![]])).unwrap();
+        assert_eq!(p.rows, 2);
     }
 }

@@ -11,7 +11,7 @@ use crate::error::ExecError;
 use crate::pg::decimal_texts;
 use crate::pool::{self, Lease, Pool, Pooled, Pools};
 use crate::pyfmt::{float_repr, hex};
-use crate::render::Cell;
+use crate::render::{Cell, Page};
 use mysql_async::consts::{ColumnFlags, ColumnType};
 use mysql_async::prelude::Queryable;
 use mysql_async::{Column, Conn, OptsBuilder, Params, Row, Statement, Value};
@@ -152,7 +152,7 @@ impl Lease<Session> {
     }
 
     /// Execute; (column names, rows of cells). Errors as MySQLConnector._run maps them.
-    pub(crate) async fn query(&mut self, st: &Statement, args: Vec<Value>) -> Result<(Vec<String>, Vec<Vec<Cell>>), ExecError> {
+    pub(crate) async fn query(&mut self, st: &Statement, args: Vec<Value>) -> Result<Page, ExecError> {
         self.session_mut().busy = true;
         let fetched = fetch(self.conn(), st, args).await;
         self.session_mut().busy = false;
@@ -171,16 +171,15 @@ impl Lease<Session> {
             return Err(ExecError::Forward("column type"));
         }
         let names = columns.iter().map(|c| c.name_str().into_owned()).collect();
-        let mut out = Vec::with_capacity(rows.len());
+        let mut page = Page::with_capacity(names, rows.len());
         for mut r in rows {
-            let mut cells = Vec::with_capacity(columns.len());
             for (i, c) in columns.iter().enumerate() {
                 let v = r.take(i).unwrap_or(Value::NULL);
-                cells.push(decode(c, v).ok_or(ExecError::Forward("value the plane cannot render"))?);
+                page.cells.push(decode(c, v).ok_or(ExecError::Forward("value the plane cannot render"))?);
             }
-            out.push(cells);
+            page.rows += 1;
         }
-        Ok((names, out))
+        Ok(page)
     }
 }
 

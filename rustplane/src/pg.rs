@@ -9,7 +9,7 @@ use crate::error::ExecError;
 use crate::pool::{self, Lease, Pool, Pooled, Pools};
 use crate::params::PVal;
 use crate::pyfmt::{decimal_str, float_repr, hex};
-use crate::render::{parse_json, Cell};
+use crate::render::{parse_json, Cell, Page};
 use bytes::BytesMut;
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -429,16 +429,16 @@ impl Lease<Session> {
     /// SELECT of built-ins that read nothing but their arguments), and such a statement is followed by
     /// `RESET_SESSION`, sent with it (tokio-postgres pipelines requests polled together: one write, one
     /// round trip), before the session serves anyone else. A state-free read is the statement alone.
-    /// Rows of cells in select-list order.
-    pub(crate) async fn query(&mut self, st: &Statement, args: &[Arg], state_free: bool) -> Result<Vec<Vec<Cell>>, ExecError> {
-        let params: Vec<&(dyn ToSql + Sync)> = args.iter().map(|a| a as &(dyn ToSql + Sync)).collect();
+    /// The page of cells in select-list order; `expect`: how many rows the statement returns at most (its
+    /// LIMIT), room made for them at once.
+    pub(crate) async fn query(&mut self, st: &Statement, args: &[Arg], state_free: bool, expect: usize) -> Result<Page, ExecError> {
         let session = self.session_mut();
         session.busy = true;
         let client = &session.client;
         let (result, end) = if state_free {
-            (client.query(st, &params).await, Ok(()))
+            (read_rows(client, st, args, expect).await, Ok(()))
         } else {
-            futures_util::future::join(client.query(st, &params), client.batch_execute(RESET_SESSION)).await
+            futures_util::future::join(read_rows(client, st, args, expect), client.batch_execute(RESET_SESSION)).await
         };
         session.busy = false;
         if let Err(e) = &end {
@@ -447,33 +447,56 @@ impl Lease<Session> {
                 return Err(ExecError::Stale);
             }
         }
-        let rows = match result {
-            Ok(r) if session.healthy => r,
-            Ok(_) => return Err(ExecError::Forward("session reset failed")),
-            Err(e) => {
-                return Err(match e.as_db_error() {
-                    Some(db) if *db.code() == SqlState::QUERY_CANCELED => ExecError::Timeout,
-                    _ if is_stale(&e) => {
-                        session.healthy = false;
-                        ExecError::Stale
-                    }
-                    Some(_) => ExecError::Rejected,
-                    None => ExecError::Stale,
-                })
-            }
-        };
-        let cols = st.columns();
-        let mut out = Vec::with_capacity(rows.len());
-        for r in &rows {
-            let mut cells = Vec::with_capacity(cols.len());
-            for (i, c) in cols.iter().enumerate() {
-                let raw: Raw<'_> = r.try_get(i).map_err(|_| ExecError::Forward("value decode"))?;
-                cells.push(decode(c.type_(), raw.0).ok_or(ExecError::Forward("value the plane cannot render"))?);
-            }
-            out.push(cells);
+        match result {
+            Ok(Ok(rows)) if session.healthy => Ok(rows),
+            Ok(Ok(_)) => Err(ExecError::Forward("session reset failed")),
+            Ok(Err(why)) => Err(ExecError::Forward(why)),
+            Err(e) => Err(match e.as_db_error() {
+                Some(db) if *db.code() == SqlState::QUERY_CANCELED => ExecError::Timeout,
+                _ if is_stale(&e) => {
+                    session.healthy = false;
+                    ExecError::Stale
+                }
+                Some(_) => ExecError::Rejected,
+                None => ExecError::Stale,
+            }),
         }
-        Ok(out)
     }
+}
+
+/// The statement's rows, each decoded as it arrives (no page of `Row`s held first, each one's buffer
+/// referenced until the end). A value the plane cannot render (Ok(Err(why))) still reads the rest, so the
+/// session ends the exchange with nothing owed and goes back to its pool.
+async fn read_rows(client: &Client, st: &Statement, args: &[Arg], expect: usize)
+                   -> Result<Result<Page, &'static str>, tokio_postgres::Error> {
+    let stream = client.query_raw(st, args.iter()).await?;
+    futures_util::pin_mut!(stream);
+    let cols = st.columns();
+    let mut page = Page::with_capacity(cols.iter().map(|c| c.name().to_string()).collect(), expect);
+    let mut failed = None;
+    while let Some(r) = futures_util::TryStreamExt::try_next(&mut stream).await? {
+        if failed.is_some() {
+            continue;
+        }
+        for (i, c) in cols.iter().enumerate() {
+            let cell = match r.try_get::<_, Raw<'_>>(i) {
+                Ok(raw) => decode(c.type_(), raw.0).ok_or("value the plane cannot render"),
+                Err(_) => Err("value decode"),
+            };
+            match cell {
+                Ok(cell) => page.cells.push(cell),
+                Err(why) => {
+                    failed = Some(why);
+                    break;
+                }
+            }
+        }
+        page.rows += 1;
+    }
+    Ok(match failed {
+        Some(why) => Err(why),
+        None => Ok(page),
+    })
 }
 
 #[cfg(test)]

@@ -107,26 +107,59 @@ pub fn float_g(x: f64) -> String {
 /// `ascii`: ensure_ascii=True (\uXXXX for non-ASCII, surrogate pairs above the BMP).
 pub fn json_str(out: &mut String, s: &str, ascii: bool) {
     out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            '\u{08}' => out.push_str("\\b"),
-            '\u{0c}' => out.push_str("\\f"),
-            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
-            c if ascii && (c as u32) > 0x7e => {
-                let mut buf = [0u16; 2];
-                for u in c.encode_utf16(&mut buf) {
-                    out.push_str(&format!("\\u{:04x}", u));
+    if ascii {
+        for c in s.chars() {
+            match c {
+                c if (c as u32) < 0x80 && !needs_escape(c as u8) && c != '\u{7f}' => out.push(c),
+                c if (c as u32) < 0x80 => push_escape(out, c as u8),
+                c => {
+                    let mut buf = [0u16; 2];
+                    for u in c.encode_utf16(&mut buf) {
+                        push_u(out, *u);
+                    }
                 }
             }
-            c => out.push(c),
         }
+    } else {
+        // ensure_ascii=False: only '"', '\\' and the controls below 0x20 change, all ASCII, so the text between
+        // them (any UTF-8) is copied in runs
+        let b = s.as_bytes();
+        let mut run = 0;
+        for (i, &c) in b.iter().enumerate() {
+            if needs_escape(c) {
+                out.push_str(&s[run..i]);
+                push_escape(out, c);
+                run = i + 1;
+            }
+        }
+        out.push_str(&s[run..]);
     }
     out.push('"');
+}
+
+fn needs_escape(c: u8) -> bool {
+    c == b'"' || c == b'\\' || c < 0x20
+}
+
+fn push_escape(out: &mut String, c: u8) {
+    match c {
+        b'"' => out.push_str("\\\""),
+        b'\\' => out.push_str("\\\\"),
+        b'\n' => out.push_str("\\n"),
+        b'\r' => out.push_str("\\r"),
+        b'\t' => out.push_str("\\t"),
+        0x08 => out.push_str("\\b"),
+        0x0c => out.push_str("\\f"),
+        c => push_u(out, c as u16),
+    }
+}
+
+fn push_u(out: &mut String, u: u16) {
+    const H: &[u8; 16] = b"0123456789abcdef";
+    out.push_str("\\u");
+    for shift in [12, 8, 4, 0] {
+        out.push(H[((u >> shift) & 15) as usize] as char);
+    }
 }
 
 /// `repr(s)` when every character is printable ASCII (None otherwise: the caller forwards to Python).

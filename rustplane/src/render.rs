@@ -31,6 +31,60 @@ pub enum Cell {
     Json(JValue),
 }
 
+/// A page of results: the column names and every row's cells, row after row in one vector (one allocation
+/// per page, not one per row, and the cells of a row side by side for the renderers).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Page {
+    pub columns: Vec<String>,
+    /// `rows * columns.len()` cells, row-major.
+    pub cells: Vec<Cell>,
+    /// Counted apart: a statement of no columns (`SELECT FROM t`) still has rows (`{}` each in JSON).
+    pub rows: usize,
+}
+
+impl Page {
+    /// An empty page of these columns, with room for `rows` rows.
+    pub fn with_capacity(columns: Vec<String>, rows: usize) -> Page {
+        let cells = Vec::with_capacity(rows.saturating_mul(columns.len()).min(1 << 20));
+        Page { columns, cells, rows: 0 }
+    }
+
+    /// A page of rows given one vector each (tests, and drivers that hand rows over one by one).
+    pub fn from_rows(columns: Vec<String>, rows: Vec<Vec<Cell>>) -> Page {
+        let mut page = Page::with_capacity(columns, rows.len());
+        for r in rows {
+            page.push_row(r);
+        }
+        page
+    }
+
+    /// Append a row: its cells, one per column (a row of another width is a bug in the caller).
+    pub fn push_row(&mut self, row: impl IntoIterator<Item = Cell>) {
+        let before = self.cells.len();
+        self.cells.extend(row);
+        assert_eq!(self.cells.len() - before, self.columns.len(), "a row has one cell per column");
+        self.rows += 1;
+    }
+
+    pub fn width(&self) -> usize {
+        self.columns.len()
+    }
+
+    /// The rows, each a slice of `width()` cells.
+    pub fn iter_rows(&self) -> impl ExactSizeIterator<Item = &[Cell]> + '_ {
+        let w = self.width();
+        (0..self.rows).map(move |i| &self.cells[i * w..(i + 1) * w])
+    }
+
+    /// Keep the first `n` rows.
+    pub fn truncate(&mut self, n: usize) {
+        if n < self.rows {
+            self.rows = n;
+            self.cells.truncate(n * self.width());
+        }
+    }
+}
+
 pub fn write_jvalue(out: &mut String, v: &JValue, sort: bool) {
     match v {
         JValue::Null => out.push_str("null"),
@@ -70,7 +124,7 @@ fn write_cell_json(out: &mut String, c: &Cell) {
     match c {
         Cell::Null => out.push_str("null"),
         Cell::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
-        Cell::Int(i) => out.push_str(&i.to_string()),
+        Cell::Int(i) => out.push_str(itoa::Buffer::new().format(*i)),
         Cell::Float(f) => {
             if f.is_finite() {
                 out.push_str(&float_repr(*f))
@@ -97,38 +151,72 @@ fn dict_layout(columns: &[String]) -> Vec<(usize, usize)> {
     out
 }
 
-fn write_row_obj(out: &mut String, columns: &[String], layout: &[(usize, usize)], row: &[Cell]) {
-    out.push('{');
-    for (n, &(name_i, val_i)) in layout.iter().enumerate() {
-        if n > 0 {
-            out.push(',');
-        }
-        json_str(out, &columns[name_i], false);
-        out.push(':');
-        write_cell_json(out, &row[val_i]);
-    }
-    out.push('}');
+/// A row object's fixed text, written once per page instead of once per row: for each distinct column,
+/// `"name":` (`,"name":` after the first), and the index of the value it takes.
+struct ObjLayout {
+    keys: Vec<(String, usize)>,
 }
 
-pub fn render_json(columns: &[String], rows: &[Vec<Cell>]) -> Vec<u8> {
-    let layout = dict_layout(columns);
-    let mut out = String::with_capacity(64 + rows.len() * 64);
+impl ObjLayout {
+    fn new(columns: &[String]) -> ObjLayout {
+        let keys = dict_layout(columns)
+            .into_iter()
+            .enumerate()
+            .map(|(n, (name_i, val_i))| {
+                let mut k = String::with_capacity(columns[name_i].len() + 4);
+                if n > 0 {
+                    k.push(',');
+                }
+                json_str(&mut k, &columns[name_i], false);
+                k.push(':');
+                (k, val_i)
+            })
+            .collect();
+        ObjLayout { keys }
+    }
+
+    fn write_row(&self, out: &mut String, row: &[Cell]) {
+        out.push('{');
+        for (k, val_i) in &self.keys {
+            out.push_str(k);
+            write_cell_json(out, &row[*val_i]);
+        }
+        out.push('}');
+    }
+}
+
+/// Once the first row is written (`out` holds it), room for all `n` at about its size, so that the body
+/// grows once instead of doubling (and copying) ten times on a 1,000-row page.
+fn reserve_like_first(out: &mut String, n: usize) {
+    let per = out.len().max(8);
+    out.reserve(per.saturating_mul(n) / 8 * 9);
+}
+
+pub fn render_json(page: &Page) -> Vec<u8> {
+    let obj = ObjLayout::new(&page.columns);
+    let mut out = String::with_capacity(256);
     out.push('[');
-    for (i, r) in rows.iter().enumerate() {
+    for (i, r) in page.iter_rows().enumerate() {
         if i > 0 {
+            if i == 1 {
+                reserve_like_first(&mut out, page.rows);
+            }
             out.push(',');
         }
-        write_row_obj(&mut out, columns, &layout, r);
+        obj.write_row(&mut out, r);
     }
     out.push(']');
     out.into_bytes()
 }
 
-pub fn render_ndjson(columns: &[String], rows: &[Vec<Cell>]) -> Vec<u8> {
-    let layout = dict_layout(columns);
-    let mut out = String::with_capacity(rows.len() * 64);
-    for r in rows {
-        write_row_obj(&mut out, columns, &layout, r);
+pub fn render_ndjson(page: &Page) -> Vec<u8> {
+    let obj = ObjLayout::new(&page.columns);
+    let mut out = String::with_capacity(256);
+    for (i, r) in page.iter_rows().enumerate() {
+        if i == 1 {
+            reserve_like_first(&mut out, page.rows);
+        }
+        obj.write_row(&mut out, r);
         out.push('\n');
     }
     out.into_bytes()
@@ -144,41 +232,46 @@ fn csv_field(out: &mut String, s: &str, alone: bool) {
     }
 }
 
-/// `_csv_value(v)` as text; None for values render.py would print with repr() of a container (forwarded).
-fn csv_text(c: &Cell) -> Option<String> {
-    Some(match c {
-        Cell::Null => String::new(),
-        Cell::Bool(b) => (if *b { "true" } else { "false" }).to_string(),
-        Cell::Int(i) => i.to_string(),
-        Cell::Float(f) => float_repr(*f),
-        Cell::Decimal { num, .. } => num.clone(),
-        Cell::Str(s) => s.clone(),
+/// `_csv_value(v)` written as csv.writer writes it; None for values render.py would print with repr() of a
+/// container (forwarded). Only text can need quoting: ints, floats, decimals and booleans never hold a comma,
+/// a quote or a line break.
+fn csv_cell(out: &mut String, c: &Cell, alone: bool) -> Option<()> {
+    match c {
+        Cell::Null => csv_field(out, "", alone),
+        Cell::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+        Cell::Int(i) => out.push_str(itoa::Buffer::new().format(*i)),
+        Cell::Float(f) => out.push_str(&float_repr(*f)),
+        Cell::Decimal { num, .. } => csv_field(out, num, alone),
+        Cell::Str(s) => csv_field(out, s, alone),
         Cell::Json(_) => return None,
-    })
-}
-
-fn csv_row<'a>(out: &mut String, fields: impl ExactSizeIterator<Item = &'a str>) {
-    let alone = fields.len() == 1;
-    for (i, f) in fields.enumerate() {
-        if i > 0 {
-            out.push(',');
-        }
-        csv_field(out, f, alone);
     }
-    out.push_str("\r\n");
+    Some(())
 }
 
 /// None when a value has no CSV form the plane can reproduce (a JSON document: Python prints its repr).
-pub fn render_csv(columns: &[String], rows: &[Vec<Cell>]) -> Option<Vec<u8>> {
-    let mut out = String::with_capacity(64 + rows.len() * 48);
-    csv_row(&mut out, columns.iter().map(|s| s.as_str()));
-    let mut texts: Vec<String> = Vec::with_capacity(columns.len());
-    for r in rows {
-        texts.clear();
-        for c in r {
-            texts.push(csv_text(c)?);
+pub fn render_csv(page: &Page) -> Option<Vec<u8>> {
+    let alone = page.width() == 1;
+    let mut out = String::with_capacity(256);
+    for (i, c) in page.columns.iter().enumerate() {
+        if i > 0 {
+            out.push(',');
         }
-        csv_row(&mut out, texts.iter().map(|s| s.as_str()));
+        csv_field(&mut out, c, alone);
+    }
+    out.push_str("\r\n");
+    let header = out.len();
+    for (n, r) in page.iter_rows().enumerate() {
+        if n == 1 {
+            let first = out.len() - header;
+            out.reserve(first.max(8).saturating_mul(page.rows) / 8 * 9);
+        }
+        for (i, c) in r.iter().enumerate() {
+            if i > 0 {
+                out.push(',');
+            }
+            csv_cell(&mut out, c, alone)?;
+        }
+        out.push_str("\r\n");
     }
     Some(out.into_bytes())
 }
@@ -394,8 +487,22 @@ fn hex4(b: &[u8], p: &mut usize) -> Option<u32> {
 mod tests {
     use super::*;
 
-    fn cols(c: &[&str]) -> Vec<String> {
-        c.iter().map(|s| s.to_string()).collect()
+    fn page(c: &[&str], rows: Vec<Vec<Cell>>) -> Page {
+        Page::from_rows(c.iter().map(|s| s.to_string()).collect(), rows)
+    }
+
+    #[test]
+    fn page_rows_and_truncate() {
+        let mut p = page(&["a", "b"], vec![vec![Cell::Int(1), Cell::Null], vec![Cell::Int(2), Cell::Null], vec![Cell::Int(3), Cell::Null]]);
+        assert_eq!(p.iter_rows().map(|r| r[0].clone()).collect::<Vec<_>>(), vec![Cell::Int(1), Cell::Int(2), Cell::Int(3)]);
+        p.truncate(2);
+        assert_eq!((p.rows, p.cells.len()), (2, 4));
+        p.truncate(5);
+        assert_eq!(p.rows, 2);
+        let mut empty = page(&[], vec![vec![], vec![], vec![]]);
+        assert_eq!(empty.iter_rows().count(), 3);
+        empty.truncate(1);
+        assert_eq!(empty.rows, 1);
     }
 
     #[test]
@@ -405,12 +512,22 @@ mod tests {
             vec![Cell::Int(1), Cell::Str("a\"é".into()), Cell::Float(1e16), Cell::Int(2)],
             vec![Cell::Null, Cell::Bool(true), Cell::Float(0.1), Cell::Float(f64::NAN)],
         ];
-        let out = render_json(&cols(&["id", "name", "x", "id"]), &rows);
+        let out = render_json(&page(&["id", "name", "x", "id"], rows));
         assert_eq!(String::from_utf8(out).unwrap(), r#"[{"id":2,"name":"a\"é","x":1e+16},{"id":null,"name":true,"x":0.1}]"#);
-        assert_eq!(render_json(&cols(&["a"]), &[]), b"[]".to_vec());
-        let nd = render_ndjson(&cols(&["a", "b"]), &[vec![Cell::Int(-5), Cell::Decimal { text: "12.50".into(), num: "12.50".into() }]]);
+        assert_eq!(render_json(&page(&["a"], vec![])), b"[]".to_vec());
+        let nd = render_ndjson(&page(&["a", "b"], vec![vec![Cell::Int(-5), Cell::Decimal { text: "12.50".into(), num: "12.50".into() }]]));
         assert_eq!(String::from_utf8(nd).unwrap(), "{\"a\":-5,\"b\":12.50}\n");
-        assert_eq!(render_ndjson(&cols(&["a"]), &[]), b"".to_vec());
+        assert_eq!(render_ndjson(&page(&["a"], vec![])), b"".to_vec());
+        // rows of no columns (SELECT FROM t): json.dumps([{}, {}])
+        assert_eq!(render_json(&page(&[], vec![vec![], vec![]])), b"[{},{}]".to_vec());
+        // i64's extremes, text needing every escape, and a page long enough to outgrow the first row's estimate
+        let rows = vec![
+            vec![Cell::Int(i64::MIN), Cell::Str("\u{1}\u{1f}\u{8}\u{c}\t\r\n\"\\/\u{7f}é😀".into())],
+            vec![Cell::Int(i64::MAX), Cell::Str("x".repeat(300))],
+        ];
+        let out = String::from_utf8(render_json(&page(&["n", "t"], rows))).unwrap();
+        let want = concat!(r#"[{"n":-9223372036854775808,"t":"\u0001\u001f\b\f\t\r\n\"\\/"#, "\u{7f}é😀", r#""},{"n":9223372036854775807,"t":""#);
+        assert_eq!(out, format!("{want}{}\"}}]", "x".repeat(300)));
     }
 
     #[test]
@@ -421,15 +538,23 @@ mod tests {
             vec![Cell::Null, Cell::Bool(true), Cell::Float(1.5)],
             vec![Cell::Str("".into()), Cell::Str(" s ".into()), Cell::Str("\r".into())],
         ];
-        let out = render_csv(&cols(&["a", "b,c", "d"]), &rows).unwrap();
+        let out = render_csv(&page(&["a", "b,c", "d"], rows)).unwrap();
         assert_eq!(
             String::from_utf8(out).unwrap(),
             "a,\"b,c\",d\r\n\"x,y\",\"q\"\"t\",\"l1\nl2\"\r\n,true,1.5\r\n, s ,\"\r\"\r\n"
         );
         // one column, empty value: csv quotes a lone empty field
-        let out = render_csv(&cols(&["a"]), &[vec![Cell::Null], vec![Cell::Int(1)]]).unwrap();
-        assert_eq!(String::from_utf8(out).unwrap(), "a\r\n\"\"\r\n1\r\n");
-        assert!(render_csv(&cols(&["j"]), &[vec![Cell::Json(JValue::Null)]]).is_none());
+        let out = render_csv(&page(&["a"], vec![vec![Cell::Null], vec![Cell::Int(1)], vec![Cell::Str("".into())]])).unwrap();
+        assert_eq!(String::from_utf8(out).unwrap(), "a\r\n\"\"\r\n1\r\n\"\"\r\n");
+        // two columns: an empty value is not quoted; a decimal, a float, an int and a bool as render.py prints them
+        let rows = vec![
+            vec![Cell::Null, Cell::Str("".into())],
+            vec![Cell::Decimal { text: "1E-7".into(), num: "0.0000001".into() }, Cell::Float(1e16)],
+            vec![Cell::Int(-3), Cell::Bool(false)],
+        ];
+        let out = render_csv(&page(&["a", "b"], rows)).unwrap();
+        assert_eq!(String::from_utf8(out).unwrap(), "a,b\r\n,\r\n0.0000001,1e+16\r\n-3,false\r\n");
+        assert!(render_csv(&page(&["j"], vec![vec![Cell::Json(JValue::Null)]])).is_none());
     }
 
     #[test]

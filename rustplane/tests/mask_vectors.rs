@@ -3,7 +3,7 @@
 
 use qag_plane::mask::{apply, hash_text, mask_text, text_of, Action};
 use qag_plane::pyfmt::decimal_str;
-use qag_plane::render::{parse_json, Cell, JValue};
+use qag_plane::render::{parse_json, Cell, JValue, Page};
 
 fn field<'a>(o: &'a JValue, k: &str) -> &'a JValue {
     match o {
@@ -65,9 +65,9 @@ fn transform_vectors_from_python() {
             assert_eq!(Some(hash_text(&key, t)), s(field(&o, "hash")), "hash {line}");
             assert_eq!(Some(mask_text(t)), s(field(&o, "mask")), "mask {line}");
         }
-        let (_, rows) = apply(&[Action::Hash, Action::Mask, Action::Null], &key, vec!["h".into(), "m".into(), "n".into()],
-                              vec![vec![c.clone(), c.clone(), c]]).unwrap();
-        let got: Vec<Option<String>> = rows[0].iter().map(|c| match c { Cell::Str(s) => Some(s.clone()), _ => None }).collect();
+        let page = Page::from_rows(vec!["h".into(), "m".into(), "n".into()], vec![vec![c.clone(), c.clone(), c]]);
+        let page = apply(&[Action::Hash, Action::Mask, Action::Null], &key, page).unwrap();
+        let got: Vec<Option<String>> = page.cells.iter().map(|c| match c { Cell::Str(s) => Some(s.clone()), _ => None }).collect();
         assert_eq!(got, vec![s(field(&o, "hash")), s(field(&o, "mask")), None], "apply {line}");
         checked += 1;
     }

@@ -10,7 +10,7 @@ use crate::options::Format;
 use crate::params::PVal;
 use crate::pg;
 use crate::pool::Lease;
-use crate::render::Cell;
+use crate::render::Page;
 use std::rc::Rc;
 
 /// How executing went when it did not give rows: forward to Python, or answer this error.
@@ -19,7 +19,8 @@ pub(super) enum Exec {
     Fail(ApiError),
 }
 
-pub(super) type Rows = (Vec<String>, Vec<Vec<Cell>>);
+/// The page a read gave: its column names and cells.
+pub(super) type Rows = Page;
 
 fn exec_error(e: ExecError, plan: &PlanEntry) -> Exec {
     match e {
@@ -48,13 +49,13 @@ async fn with_deadline(plan: &PlanEntry, fut: impl std::future::Future<Output = 
 /// statement before executing. A pooled session found stale (the server restarted, the session was
 /// terminated) is dropped with every idle one, and the read is tried once more on a fresh session.
 pub(super) async fn execute_pg(plan: &PlanEntry, conn: Rc<ConnEntry>, password: Option<String>, sql: &str, bound: &[PVal],
-                    format: Format) -> Result<Rows, Exec> {
+                    format: Format, expect: usize) -> Result<Rows, Exec> {
     let spec = pg::SessionSpec { conn, password, timeout_ms: crate::limits::millis(plan.query_timeout) };
     let pool = pg::pool_for(&spec);
     with_deadline(plan, async {
         for attempt in 0..2 {
             let Ok(mut lease) = Lease::get(pool.clone()).await else { return Err(Exec::Forward("cannot connect")) };
-            match execute_pg_once(plan, &mut lease, sql, bound, format).await {
+            match execute_pg_once(plan, &mut lease, sql, bound, format, expect).await {
                 Err(ExecError::Stale) if attempt == 0 && lease.reused => {
                     drop(lease);
                     pool.borrow_mut().purge_idle();
@@ -68,8 +69,8 @@ pub(super) async fn execute_pg(plan: &PlanEntry, conn: Rc<ConnEntry>, password: 
     .await
 }
 
-async fn execute_pg_once(plan: &PlanEntry, lease: &mut Lease<pg::Session>, sql: &str, bound: &[PVal], format: Format)
-                         -> Result<Rows, ExecError> {
+async fn execute_pg_once(plan: &PlanEntry, lease: &mut Lease<pg::Session>, sql: &str, bound: &[PVal], format: Format,
+                         expect: usize) -> Result<Rows, ExecError> {
     let typed: Vec<tokio_postgres::types::Type> = plan.arg_names.iter()
         .map(|n| plan.specs.iter().find(|s| s.name == *n).map_or(tokio_postgres::types::Type::TEXT, |s| pg::literal_type(s.ty)))
         .collect();
@@ -90,8 +91,7 @@ async fn execute_pg_once(plan: &PlanEntry, lease: &mut Lease<pg::Session>, sql: 
     if !plan.names_match(&columns) {
         return Err(ExecError::Forward("masked names differ"));
     }
-    let rows = lease.query(&st, &args, plan.state_free).await?;
-    Ok((columns, rows))
+    lease.query(&st, &args, plan.state_free, expect).await
 }
 
 /// MySQL/MariaDB: the prepared statement's metadata rules out what the plane cannot render before

@@ -188,7 +188,10 @@ pub(super) async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Opti
     let base = with_literals.as_ref().map_or(plan.sql_native.as_str(), |(sql, _)| sql.as_str());
     let Some(sql) = plan.paged(base, opts.page, opts.page_size) else { return Decision::Forward("paging mode") };
     let executed = match dialect {
-        Dialect::Postgres => execute_pg(&plan, conn, password, &sql, &bound, opts.format).await,
+        Dialect::Postgres => {
+            let expect = usize::try_from(opts.page_size).unwrap_or(0).saturating_add(1); // a page and one row past it
+            execute_pg(&plan, conn, password, &sql, &bound, opts.format, expect).await
+        }
         Dialect::Mysql => match with_literals {
             Some((_, rest)) => execute_mysql(&plan, conn, password, &sql, &rest, true).await,
             None => execute_mysql(&plan, conn, password, &sql, &bound, false).await,
@@ -196,42 +199,42 @@ pub(super) async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Opti
     };
     let t1 = stage(&mut stages, "execute", t);
     let query_seconds = (t1 - t).as_secs_f64();
-    let (columns, rows) = match executed {
+    let page = match executed {
         Ok(x) => x,
         Err(Exec::Forward(why)) => return Decision::Forward(why),
         Err(Exec::Fail(e)) => return fail(run, e, Some(true), None).await,
     };
-    if !plan.names_match(&columns) || plan.transforms.as_ref().is_some_and(|t| t.len() != columns.len()) {
+    if !plan.names_match(&page.columns) || plan.transforms.as_ref().is_some_and(|t| t.len() != page.width()) {
         return Decision::Forward("masked names differ");
     }
-    if opts.format == Format::Csv && rows.iter().any(|r| r.iter().any(|c| matches!(c, render::Cell::Json(_)))) {
+    if opts.format == Format::Csv && page.cells.iter().any(|c| matches!(c, render::Cell::Json(_))) {
         return Decision::Forward("CSV of a JSON value");
     }
-    let (columns, mut rows) = match &plan.transforms {
-        None => (columns, rows),
-        Some(acts) => match mask::apply(acts, sh.mask_key.as_deref().unwrap_or(b""), columns, rows) {
+    let mut page = match &plan.transforms {
+        None => page,
+        Some(acts) => match mask::apply(acts, sh.mask_key.as_deref().unwrap_or(b""), page) {
             Some(x) => x,
             None => return Decision::Forward("masking width"),
         },
     };
     let t = stage(&mut stages, "govern", t1);
-    let has_more = rows.len() as i64 > opts.page_size;
+    let has_more = page.rows as i64 > opts.page_size;
     if has_more {
-        rows.truncate(opts.page_size as usize);
+        page.truncate(opts.page_size as usize);
     }
     let body = match opts.format {
-        Format::Json => render::render_json(&columns, &rows),
-        Format::Ndjson => render::render_ndjson(&columns, &rows),
-        Format::Csv => match render::render_csv(&columns, &rows) {
+        Format::Json => render::render_json(&page),
+        Format::Ndjson => render::render_ndjson(&page),
+        Format::Csv => match render::render_csv(&page) {
             Some(b) => b,
             None => return Decision::Forward("CSV of a JSON value"),
         },
     };
     stage(&mut stages, "render", t);
-    run.rows = rows.len() as i64;
+    run.rows = page.rows as i64;
     run.bytes = body.len() as i64;
     let timing = stages.iter().map(|(n, d)| format!("{n};dur={:.3}", d * 1000.0)).collect::<Vec<_>>().join(", ");
-    let nrows = rows.len();
+    let nrows = page.rows;
     sh.finish(run, t0, Some(query_seconds), Some(true)).await;
     let mut r = Response::new(Either::Left(Full::new(Bytes::from(body))));
     let h = r.headers_mut();
