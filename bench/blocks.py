@@ -12,8 +12,8 @@ import uuid
 import harness as H
 import targets as T
 
-BLOCKS = ('dbonly', 'throughput', 'latency', 'governance', 'rows', 'writes', 'openloop', 'forward', 'workers',
-          'threads', 'recording', 'roundtrips', 'profile')
+BLOCKS = ('dbonly', 'throughput', 'latency', 'governance', 'rows', 'writes', 'cache', 'openloop', 'forward',
+          'workers', 'threads', 'recording', 'roundtrips', 'profile')
 ROWS_LIST, ROWS_FORMATS = (1, 10, 100, 1000), ('json', 'ndjson', 'csv')
 # the smoke run's rows cells: each format's per-row path (the other blocks' calls are one row or a hundred)
 SMOKE_ROWS = ((1000, 'json'), (1000, 'ndjson'), (1000, 'csv'))
@@ -94,9 +94,10 @@ class Bench:
     """One session of one harness: targets, the results file, the floors around each block."""
 
     def __init__(self, opts, harness_name, workload, calls, db_comms, roundtrip_counter=None, dbonly=None,
-                 rows_call=None):
+                 rows_call=None, cache_calls=None):
         self.opts, self.workload, self.calls = opts, workload, calls
         self.rows_call = rows_call  # (rows, format) -> Call: the rows block's calls; None: the harness has none
+        self.cache_calls = cache_calls  # (uncached Call, cached Call): the cache block's pair; None: none
         self.db_comms = db_comms
         self.roundtrip_counter = roundtrip_counter
         self.dbonly = dbonly
@@ -263,6 +264,8 @@ class Bench:
                     continue  # measures the plane's forwarding only: no floors around nothing
                 if block == 'rows' and self.rows_call is None:
                     continue
+                if block == 'cache' and self.cache_calls is None:
+                    continue
                 self.health_floor(block, 'before')
                 t0 = time.time()
                 try:
@@ -316,6 +319,40 @@ class Bench:
                     except Exception as exc:  # noqa: BLE001
                         self.fail('rows', f'{t.name} {call.name}', exc)
                 self.rotation += 1
+
+    def block_cache(self):
+        """A response-cache hit against the same call uncached (issue 17: "cache hit against the uncached call, per
+        gateway CPU-second"): a saved query with cache_ttl and the same one without, called with the same ids (a
+        small set, so after the warm-up every cached call is a hit), one worker, --callers, on one running target
+        back to back, the order flipped every round. Each run records the share of hits in a sample of its answers
+        (X-Cache). Every gateway that takes the workload runs it: qag (Python's hit), qag_plane (the plane's hit once
+        it serves them; until then the plane forwards the cached query to Python) and the peer with its cache."""
+        uncached, cached = self.cache_calls
+        tgts = self.supporting(cached, kinds=('gateway',))
+        for rnd in range(self.opts.rounds):
+            for t in H.rotated(tgts, self.rotation):
+                try:
+                    self.start(t, workers=1)
+                    for call in ((uncached, cached) if rnd % 2 == 0 else (cached, uncached)):
+                        r = self.measured(t, call, conns=self.opts.callers, duration=self.opts.duration)
+                        self.record('cache', t, call, rnd, r, conns=self.opts.callers,
+                                    cache='hit' if call is cached else 'uncached',
+                                    hit_share=self.hit_share(t, call))
+                except Exception as exc:  # noqa: BLE001
+                    self.fail('cache', f'{t.name} cache', exc)
+            self.rotation += 1
+
+    def hit_share(self, target, call):
+        """Of the call's sample paths (`call.samples`, drawn like the run's), the share answered `X-Cache: hit`;
+        None when the target says nothing of its cache."""
+        import requests
+        hits = said = 0
+        for path in getattr(call, 'samples', ()):
+            x = requests.get(target.base + path, headers=target.headers(call), timeout=30).headers.get('X-Cache')
+            if x is not None:
+                said += 1
+                hits += x == 'hit'
+        return round(hits / said, 3) if said else None
 
     def block_writes(self):
         """Writes at --writes-callers (1, 8, 32): one worker; a write waits on its commit, so calls/s at many
@@ -601,6 +638,7 @@ class Bench:
         for block in self.opts.blocks:
             if block in ('dbonly',) or (block == 'roundtrips' and not self.roundtrip_counter) \
                     or (block == 'rows' and self.rows_call is None) \
+                    or (block == 'cache' and self.cache_calls is None) \
                     or (block == 'writes' and not any(c.name.startswith(('deposit', 'write')) for c in self.calls)) \
                     or (block == 'forward' and not any(getattr(t, 'plane', False) for t in self.targets)):
                 continue

@@ -77,11 +77,15 @@ def workload(scale):
         {'name': 'account_range', 'connection_name': 'oltp', 'publish': True,
          'description': 'Accounts with their branch from start on, a page of page_size rows (the rows block)',
          'sql': RANGE_SQL, 'parameters': {'start': {'type': 'int', 'required': True}}},
+        {'name': 'account_cached', 'connection_name': 'oltp', 'publish': True, 'cache_ttl': 600,
+         'description': 'One account by id, answered from the response cache for 10 minutes (the cache block)',
+         'sql': 'SELECT aid, bid, abalance FROM pgbench_accounts WHERE aid = :aid',
+         'parameters': {'aid': {'type': 'int', 'required': True}}},
         {'name': 'deposit', 'connection_name': 'oltp', 'publish': True, 'description': 'Add delta to an account',
          'sql': 'UPDATE pgbench_accounts SET abalance = abalance + :delta WHERE aid = :aid',
          'parameters': {'aid': {'type': 'int', 'required': True}, 'delta': {'type': 'int', 'required': True}}},
     ]
-    plain = {'queries': ['account', 'account_page', 'account_range'], 'connections': []}
+    plain = {'queries': ['account', 'account_page', 'account_range', 'account_cached'], 'connections': []}
     keys = {
         'plain': plain,
         'governed': {**plain, 'allowed_tables': ['pgbench_accounts', 'pgbench_branches'],
@@ -106,7 +110,13 @@ def workload(scale):
         # start from the 5-digit ids: every page of up to 1,000 rows exists in full
         path = rf'/q/account_range\?start={start}&page_size={n}&format={fmt}'
         return T.Call(f'rows_{fmt}_{n}', 'account_range', 'plain', path, floor=path)
-    return w, calls, rows_call
+    # the cache block: 100 ids (100000-100099), cached and not; after the warm-up every cached call is a hit
+    hot = r'1000[0-9][0-9]'
+    cache_calls = (T.Call('cache_uncached', 'account', 'plain', rf'/q/account\?aid={hot}'),
+                   T.Call('cache_hit', 'account_cached', 'plain', rf'/q/account_cached\?aid={hot}'))
+    cache_calls[0].samples = [f'/q/account?aid={100000 + i}' for i in range(0, 100, 5)]
+    cache_calls[1].samples = [f'/q/account_cached?aid={100000 + i}' for i in range(0, 100, 5)]
+    return w, calls, rows_call, cache_calls
 
 
 def pg_xacts(db):
@@ -150,9 +160,9 @@ def main():
         p.add_argument('--scale', type=int, default=10, help='pgbench scale (10 default; seeds use 100)')
     opts = B.parse_args(__doc__.splitlines()[0], os.path.join(H.BENCH_DIR, 'out', 'oltp', 'results.jsonl'), extra)
     ensure_data(opts.scale)
-    w, calls, rows_call = workload(opts.scale)
+    w, calls, rows_call, cache_calls = workload(opts.scale)
     bench = B.Bench(opts, 'oltp', w, calls, db_comms={'postgres'}, roundtrip_counter=roundtrip_counter,
-                    dbonly=dbonly, rows_call=rows_call)
+                    dbonly=dbonly, rows_call=rows_call, cache_calls=cache_calls)
     bench.results.common['scale'] = opts.scale
     sys.exit(bench.run())
 

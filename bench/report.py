@@ -16,7 +16,8 @@ LABEL = {'peer': 'QueryAPIGate 0.43', 'peer_cache': 'QueryAPIGate 0.43 + cache',
          'qag_plane': 'qag + plane',
          'floor_pg': 'Falcon+psycopg2 floor', 'floor_mysql': 'Falcon+mysql-connector floor',
          'floor_hello': 'Falcon hello floor', 'postgres': 'PostgreSQL'}
-BLOCK_ORDER = ['dbonly', 'throughput', 'latency', 'governance', 'rows', 'writes', 'capacity', 'openloop', 'forward',
+BLOCK_ORDER = ['dbonly', 'throughput', 'latency', 'governance', 'rows', 'writes', 'cache', 'capacity', 'openloop',
+               'forward',
                'workers', 'threads', 'recording', 'roundtrips']
 
 
@@ -546,6 +547,38 @@ class Report:
         plt.close(fig)
         self.w(f'![p99 against offered load]({name})\n')
 
+    def cache(self, rows):
+        """The cache block: a response-cache hit against the same call uncached, per target, round by round."""
+        if not rows:
+            return
+        self.w('### Response cache: a hit against the uncached call\n')
+        self.w('One worker, 32 callers, the same 100 ids: `account_cached` (cache_ttl 600) against `account` '
+               '(no cache), back to back on one running target, the order flipped every round. "hit ÷ uncached" '
+               'is per round (the two runs of one round side by side), median (min-max). The hit share is '
+               'X-Cache over 20 sample calls after each run (- when the target sends no X-Cache). qag + plane: '
+               'the plane\'s own hit once it serves them (until then it forwards a cached query to Python).\n')
+        out = []
+        for (tname,), trows in group(rows, 'target').items():
+            by_round = group(trows, 'round')
+            ratios, hit_us, unc_us = [], [], []
+            for rr in by_round.values():
+                h = [r for r in rr if r.get('cache') == 'hit']
+                u = [r for r in rr if r.get('cache') == 'uncached']
+                if h and u and h[0].get('calls_per_gw_cpu_s') and u[0].get('calls_per_gw_cpu_s'):
+                    ratios.append(h[0]['calls_per_gw_cpu_s'] / u[0]['calls_per_gw_cpu_s'])
+                hit_us += [r.get('gw_cpu_us_per_call') for r in h]
+                unc_us += [r.get('gw_cpu_us_per_call') for r in u]
+            hits = [r for r in trows if r.get('cache') == 'hit']
+            unc = [r for r in trows if r.get('cache') == 'uncached']
+            share = [r.get('hit_share') for r in hits if r.get('hit_share') is not None]
+            out.append([LABEL.get(tname, tname), cell([r.get('calls_per_gw_cpu_s') for r in unc]),
+                        cell([r.get('calls_per_gw_cpu_s') for r in hits]), cell(unc_us), cell(hit_us),
+                        (f'{med(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})' if ratios else '-'),
+                        cell([r.get('rps') for r in hits]), num(med(share), 2) if share else '-'])
+        self.w(table(['target', 'uncached: calls per gateway CPU-s', 'hit: calls per gateway CPU-s',
+                      'uncached: gateway CPU µs per call', 'hit: gateway CPU µs per call', 'hit ÷ uncached (per core)',
+                      'hit calls/s', 'hit share'], out))
+
     # ---------------------------------------------------------------- whole page
     def build(self):
         self.header()
@@ -572,6 +605,7 @@ class Report:
             self.closed(b('latency'), 'One caller at a time', 'Closed loop, 1 caller: the latency of a single call.')
             self.rows_per_call(b('rows'), harness)
             self.writes(b('writes'))
+            self.cache(b('cache'))
             self.openloop(b('openloop'), harness)
             self.forward(b('forward'))
             self.scaling(b('workers'), 'workers', 'Workers (one per gateway CPU, pinned)',
