@@ -46,6 +46,7 @@ PLAN_ENTRY = (
     ("page_mode", "str"), ("is_write", "bool"), ("write_ops", "[str]"), ("tables", "[str]"),
     ("gens", "[uint, uint, uint]"), ("cache_ttl", "int|nil"), ("default_page_size", "int"),
     ("max_page_size", "int"), ("query_timeout", "float"), ("state_free", "bool"), ("response_prefix", "bin|nil"),
+    ("server_allows_writes", "bool"), ("key_allows_writes", "bool"), ("allowed_write_ops", "[str]|nil"),
 )
 SPEC_ENTRY = (
     ("name", "str"), ("type", "str"), ("required", "bool"), ("has_default", "bool"), ("default", "any"),
@@ -106,7 +107,10 @@ def plan_entry(plan, cfg, sql_text: str, published_version: int | None = None) -
             # connectors S5: false means the plane resets the session after the call (LAYOUT.md [Plan entry])
             "state_free": bool(getattr(plan, "state_free", False)),
             # LAYOUT.md [Response cache] R5: the plane appends the call's suffix to look its answer up
-            "response_prefix": response_prefix(plan) if plan.cache_ttl and not plan.is_write else None}
+            "response_prefix": response_prefix(plan) if plan.cache_ttl and not plan.is_write else None,
+            # 1.3: the write decisions governance approved the plan with (qag/plan.py `write_grant`): the plane
+            # serves a write only when all three say it may, and re-checks write_ops against allowed_write_ops
+            **_write_grant(plan)}
 
 
 def masking_fingerprint(plan) -> bytes:
@@ -124,6 +128,14 @@ def response_prefix(plan) -> bytes:
     generations it was built from, the masking fingerprint."""
     return responses.prefix(plan.query, plan.version, plan.connection, plan.gens[1], plan.gens[2],
                             masking_fingerprint(plan))
+
+
+def _write_grant(plan) -> dict:
+    """The plan's write decisions as the entry's 1.3 fields; a plan without them (built without governance)
+    says no to all, so the plane forwards its writes (fail closed)."""
+    server, key, ops = getattr(plan, "write_grant", None) or (False, False, None)
+    return {"server_allows_writes": bool(server), "key_allows_writes": bool(key),
+            "allowed_write_ops": sorted(str(o).lower() for o in ops) if ops is not None else None}
 
 
 def _spec(s) -> dict:

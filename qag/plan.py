@@ -24,7 +24,7 @@ SQLGLOT_DIALECT = {"postgres": "postgres", "mysql": "mysql", "sqlite": "sqlite",
 class Plan:
     __slots__ = ("query", "version", "connection", "dialect", "sql", "arg_names", "specs", "is_write", "write_ops",
                  "transforms", "names", "tables", "page_mode", "gens", "cache_ttl", "key_name", "unknown",
-                 "state_free", "claims", "response_prefix")
+                 "state_free", "claims", "response_prefix", "write_grant")
 
     def bind_args(self, values: dict[str, Any]) -> tuple:
         return tuple(values[n] for n in self.arg_names)
@@ -115,6 +115,10 @@ def build(*, key: dict | None, query: dict, version: dict, connection: dict, con
     plan.claims = claim_params(version.get("parameters"))  # (parameter, claim) bound from a signed-in caller
     plan.gens = gens
     grants = key["grants"] if key else {}
+    # the write decisions governance takes below, as the plan entry carries them for the plane (LAYOUT.md
+    # [Plan entry] 1.2): the server's QAG_ALLOW_WRITES, the key's allow_writes, its allowed_write_ops (None: any)
+    plan.write_grant = (bool(cfg.allow_writes), bool(grants.get("allow_writes")) if key else True,
+                        grants.get("allowed_write_ops") if key else None)
     neutral = P.neutralize(sql, dialect)
     mask_rules = list(grants.get("mask") or []) + list(version.get("mask") or [])
     governance = _governance()

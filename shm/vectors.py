@@ -43,7 +43,8 @@ PLAN_SQL = "SELECT id, total FROM orders WHERE id = :id"
 PLAN = {"query": "orders_by_id", "version": 1, "connection": "main", "dialect": "postgres",
         "sql": "SELECT id, total FROM orders WHERE id = %(id)s", "arg_names": ("id",), "transforms": (None, "mask"),
         "names": ("id", "total"), "tables": frozenset({"orders"}), "page_mode": "append", "gens": (2, 1, 1),
-        "cache_ttl": None, "key_name": "alice", "is_write": False, "write_ops": frozenset(), "state_free": True}
+        "cache_ttl": None, "key_name": "alice", "is_write": False, "write_ops": frozenset(), "state_free": True,
+        "write_grant": (False, False, None)}
 PLAN_PARAMS = {"id": {"type": "int", "required": True, "min": 1}}
 PLAN_CFG = {"default_page_size": 100, "max_page_size": 1000, "query_timeout": 30.0}
 CONNECTION_ROW = {"name": "main", "db": "postgres", "host": "127.0.0.1", "port": 5432, "user": "qag",

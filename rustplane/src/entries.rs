@@ -23,7 +23,8 @@ pub const KEY_FIELDS: &[&str] = &["name", "active", "expires_at_us", "allowed_ip
 pub const PLAN_FIELDS: &[&str] = &[
     "query", "version", "published_version", "connection", "dialect", "sql_native", "sql_driver", "sql_pieces",
     "arg_names", "specs", "transforms", "names", "page_mode", "is_write", "write_ops", "tables", "gens", "cache_ttl",
-    "default_page_size", "max_page_size", "query_timeout", "state_free", "response_prefix",
+    "default_page_size", "max_page_size", "query_timeout", "state_free", "response_prefix", "server_allows_writes",
+    "key_allows_writes", "allowed_write_ops",
 ];
 
 /// LAYOUT.md [Plan entry] `specs`: each declared parameter, as `Spec::from_value` reads it (E4).
@@ -295,6 +296,10 @@ pub struct PlanEntry {
     pub cache_ttl: bool,
     pub page_mode: String,
     pub is_write: bool,
+    /// LAYOUT.md [Plan entry] P3 (1.3): the write may be served by the plane: `is_write`, the server's and the
+    /// key's write settings both true, and `write_ops` (not empty) all within `allowed_write_ops` (nil: any).
+    /// False for every read, and for a write whose entry lacks any of the three (a publisher before 1.3): forwarded.
+    pub write_allowed: bool,
     pub default_page_size: i64,
     pub max_page_size: i64,
     pub query_timeout: f64,
@@ -361,6 +366,7 @@ impl PlanEntry {
             },
             page_mode: v.get("page_mode")?.as_str()?.to_string(),
             is_write: v.get("is_write")?.as_bool()?,
+            write_allowed: write_allowed(v),
             default_page_size: v.get("default_page_size")?.as_i64()?,
             max_page_size: v.get("max_page_size")?.as_i64()?,
             query_timeout: v.get("query_timeout")?.as_f64()?,
@@ -409,6 +415,26 @@ impl PlanEntry {
             )),
             _ => None,
         }
+    }
+}
+
+/// P3: whether an entry's write decisions let the plane serve its write. Fails closed: a field absent or of
+/// another type, an empty `write_ops`, any operation outside `allowed_write_ops` (compared lowercased, as
+/// governance compares them) is a no.
+fn write_allowed(v: &Value) -> bool {
+    let yes = |k: &str| v.get(k).and_then(Value::as_bool) == Some(true);
+    if !(v.get("is_write").and_then(Value::as_bool) == Some(true) && yes("server_allows_writes") && yes("key_allows_writes")) {
+        return false;
+    }
+    let strs = |x: &Value| x.as_array()?.iter().map(|o| o.as_str().map(str::to_ascii_lowercase)).collect::<Option<Vec<_>>>();
+    let Some(ops) = v.get("write_ops").and_then(strs) else { return false };
+    if ops.is_empty() {
+        return false;
+    }
+    match v.get("allowed_write_ops") {
+        Some(Value::Nil) => true,
+        Some(a) => strs(a).is_some_and(|allowed| ops.iter().all(|o| allowed.contains(o))),
+        None => false,
     }
 }
 
@@ -490,6 +516,50 @@ mod tests {
         assert!(!ip_in(ip("127.0.0.1"), "bogus"));
         assert!(parse_net(" 10.0.0.0/8").is_none() && parse_net("10.0.0.0/ 8").is_none() && parse_net("fe80::1%eth0").is_none());
         assert!(ip_in(ip("1.2.3.4"), "0.0.0.0/0"));
+    }
+
+    fn write_entry(fields: &[(&str, Value)]) -> Value {
+        let strs = |v: &[&str]| Value::Array(v.iter().map(|s| Value::Str(s.to_string())).collect());
+        let mut m: Vec<(Value, Value)> = vec![
+            (Value::Str("is_write".into()), Value::Bool(true)),
+            (Value::Str("write_ops".into()), strs(&["update"])),
+            (Value::Str("server_allows_writes".into()), Value::Bool(true)),
+            (Value::Str("key_allows_writes".into()), Value::Bool(true)),
+            (Value::Str("allowed_write_ops".into()), strs(&["insert", "update"])),
+        ];
+        for (k, v) in fields {
+            m.retain(|(n, _)| n.as_str() != Some(k));
+            if !matches!(v, Value::Bin(_)) {
+                m.push((Value::Str(k.to_string()), v.clone())); // Bin: the field left out
+            }
+        }
+        Value::Map(m)
+    }
+
+    #[test]
+    fn a_write_is_the_planes_only_when_its_entry_says_yes_to_all_p3() {
+        let strs = |v: &[&str]| Value::Array(v.iter().map(|s| Value::Str(s.to_string())).collect());
+        let absent = Value::Bin(vec![]);
+        assert!(write_allowed(&write_entry(&[])), "server, key and allowed_write_ops say yes");
+        assert!(write_allowed(&write_entry(&[("allowed_write_ops", Value::Nil)])), "nil: any operation");
+        assert!(write_allowed(&write_entry(&[("write_ops", strs(&["UPDATE"]))])), "compared lowercased");
+        for (field, v) in [
+            ("server_allows_writes", Value::Bool(false)),
+            ("key_allows_writes", Value::Bool(false)),
+            ("server_allows_writes", absent.clone()),
+            ("key_allows_writes", absent.clone()),
+            ("allowed_write_ops", absent.clone()),
+            ("key_allows_writes", Value::Int(1)),
+            ("allowed_write_ops", strs(&["insert"])),
+            ("allowed_write_ops", strs(&[])),
+            ("allowed_write_ops", Value::Str("update".into())),
+            ("write_ops", strs(&[])),
+            ("write_ops", absent.clone()),
+            ("is_write", Value::Bool(false)),
+        ] {
+            assert!(!write_allowed(&write_entry(&[(field, v.clone())])), "{field} = {v:?}: forwarded");
+        }
+        assert!(!write_allowed(&write_entry(&[("write_ops", strs(&["update", "delete"]))])), "one op outside: forwarded");
     }
 
     #[test]

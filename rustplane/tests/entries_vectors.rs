@@ -112,6 +112,10 @@ fn plan_entry_e4_fields_and_values() {
     assert!(!p.cache_ttl, "[Plan entry] cache_ttl nil");
     assert_eq!((p.default_page_size, p.max_page_size, p.query_timeout), (100, 1000, 30.0), "[Plan entry] paging, query_timeout");
     assert!(p.state_free, "[Plan entry] state_free");
+    assert_eq!(v.get("server_allows_writes").and_then(Value::as_bool), Some(false), "[Plan entry] server_allows_writes (P3)");
+    assert_eq!(v.get("key_allows_writes").and_then(Value::as_bool), Some(false), "[Plan entry] key_allows_writes (P3)");
+    assert!(v.get("allowed_write_ops").is_some_and(Value::is_nil), "[Plan entry] allowed_write_ops nil (P3)");
+    assert!(!p.write_allowed, "P3: a read plan's entry lets the plane serve no write");
 }
 
 #[test]

@@ -88,6 +88,7 @@ def test_plan_entry_vector_fields():
     assert (p["page_mode"], p["is_write"], p["write_ops"], p["tables"]) == ("append", False, [], ["orders"])
     assert p["gens"] == [2, 1, 1] and p["cache_ttl"] is None
     assert (p["default_page_size"], p["max_page_size"], p["query_timeout"], p["state_free"]) == (100, 1000, 30.0, True)
+    assert (p["server_allows_writes"], p["key_allows_writes"], p["allowed_write_ops"]) == (False, False, None)
 
 
 def test_connection_entry_vector_fields_E6():
@@ -178,3 +179,40 @@ def test_run_stores_columns_derive_from_the_declaration():
     assert clickhouse.INSERT_COLUMNS[5:] == [clickhouse._COLUMN[f][0] for f in entries.RUN_FIELDS]
     assert clickhouse._RECORD_HEAD == (VECTORS / "run_record.bin").read_bytes()[:4]
     assert sql._COLUMN["error"] == ("error", "TEXT") and clickhouse._COLUMN["error"] == ("error", "Nullable(String)")
+
+
+def _write_plan(grants: dict, allow_writes: bool = True):
+    from types import SimpleNamespace
+
+    from qag import plan as plan_mod
+    cfg = SimpleNamespace(allow_writes=allow_writes, default_page_size=10, max_page_size=1000, query_timeout=30.0)
+    connector = SimpleNamespace(default_schema=lambda: "public")
+    p = plan_mod.build(key={"name": "w", "grants": grants}, query={"name": "dep", "cache_ttl": None},
+                       version={"version": 1, "sql": "UPDATE t SET x = x + :d WHERE id = :id",
+                                "parameters": {"d": {"type": "int"}, "id": {"type": "int"}}},
+                       connection={"name": "c", "db": "postgres", "options": {}}, connector=connector, cfg=cfg,
+                       gens=(1, 1, 1), columns_of=lambda: {})
+    return entries.plan_entry(p, cfg, "UPDATE t SET x = x + :d WHERE id = :id", 1)
+
+
+def test_plan_entry_carries_the_write_decisions_P3():
+    """[Plan entry] P3: a write plan's entry carries the server's, the key's and the operations' decisions it was
+    approved with (the plane re-checks them); a refused write publishes nothing, since build() raises."""
+    from qag.errors import ApiError
+    e = _write_plan({"allow_writes": True, "allowed_write_ops": ["UPDATE", "insert"]})
+    assert (e["is_write"], e["write_ops"]) == (True, ["update"])
+    assert (e["server_allows_writes"], e["key_allows_writes"], e["allowed_write_ops"]) == (True, True,
+                                                                                          ["insert", "update"])
+    e = _write_plan({"allow_writes": True})
+    assert (e["server_allows_writes"], e["key_allows_writes"], e["allowed_write_ops"]) == (True, True, None)
+    for grants, allow, code in (({"allow_writes": False}, True, "read_only"), ({"allow_writes": True}, False,
+                                "read_only"), ({"allow_writes": True, "allowed_write_ops": ["insert"]}, True,
+                                               "write_op_not_allowed")):
+        with pytest.raises(ApiError) as exc:
+            _write_plan(grants, allow)
+        assert exc.value.code == code
+    # a plan without the decisions (built without governance) says no to all: the plane forwards its writes
+    from types import SimpleNamespace
+    bare = SimpleNamespace(**{**vectors.PLAN, "write_grant": None, "is_write": True}, specs=())
+    e = entries.plan_entry(bare, SimpleNamespace(**vectors.PLAN_CFG), vectors.PLAN_SQL, 1)
+    assert (e["server_allows_writes"], e["key_allows_writes"], e["allowed_write_ops"]) == (False, False, None)
