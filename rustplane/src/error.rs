@@ -98,6 +98,25 @@ pub(crate) enum ExecError {
     Forward(&'static str),
 }
 
+/// How a write went that did not commit (server/write.rs answers from it). Each says what the database holds
+/// after it, which decides whether Python may run the statement again.
+#[derive(Debug)]
+pub(crate) enum WriteError {
+    /// Nothing was executed (the statement did not prepare, a value the plane does not bind alike): Python may
+    /// run it, there is nothing to undo.
+    NotRun(&'static str),
+    /// The session was found gone before the write was sent (at prepare): nothing ran; tried again on a fresh
+    /// session once.
+    Stale,
+    /// The database rejected the statement or its commit (its first line): the transaction was rolled back.
+    Rejected(String),
+    /// Over the statement limit: cancelled and rolled back (504 `query_timeout`).
+    Timeout,
+    /// The session was lost while the write was on its way (the driver's first line): it may have committed or
+    /// not, and nobody can tell. Never run again (502 `connection_failed`, as Python answers: connectors.py S6).
+    Lost(String),
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

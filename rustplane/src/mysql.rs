@@ -7,7 +7,7 @@
 use crate::entries::ConnEntry;
 use crate::limits;
 use crate::params::PVal;
-use crate::error::ExecError;
+use crate::error::{ExecError, WriteError};
 use crate::pg::decimal_texts;
 use crate::pool::{self, Lease, Pool, Pooled, Pools};
 use crate::pyfmt::{float_repr, hex};
@@ -33,10 +33,14 @@ pub(crate) struct SessionSpec {
     pub(crate) password: Option<String>,
     /// cfg.query_timeout in seconds (the plan entry's `query_timeout`).
     pub(crate) timeout: f64,
+    /// A write session (connectors.py S1: not read-only), in a pool of its own.
+    pub(crate) write: bool,
 }
 
 pub(crate) struct Session {
     conn: Conn,
+    /// The session's time-limit SET (S1), sent again after a reset (a write session's, S5).
+    limit_sql: String,
     healthy: bool,
     /// A command is under way: a lease dropped meanwhile (the call's deadline fired) closes the session.
     busy: bool,
@@ -66,11 +70,12 @@ impl Pooled for Session {
 
 thread_local! {
     static POOLS: Pools<Session> = RefCell::new(HashMap::new());
+    static WRITE_POOLS: Pools<Session> = RefCell::new(HashMap::new());
 }
 
-/// The thread's pool of sessions for this connection entry, password and limit.
+/// The thread's pool of sessions for this connection entry, password and limit (reads and writes apart).
 pub(crate) fn pool_for(spec: &SessionSpec) -> Rc<RefCell<Pool<Session>>> {
-    pool::pool_for(&POOLS, &spec.conn.name, spec)
+    pool::pool_for(if spec.write { &WRITE_POOLS } else { &POOLS }, &spec.conn.name, spec)
 }
 
 /// The SET that MySQLConnector._open runs first: MariaDB's limit in seconds (3 decimals), MySQL's in ms,
@@ -109,9 +114,12 @@ async fn open(spec: &SessionSpec) -> Result<Session, ExecError> {
     let Ok(mut conn) = Conn::new(opts).await else { return Err(ExecError::Forward("cannot connect")) };
     let version: Option<String> = conn.query_first("SELECT VERSION()").await.map_err(|_| ExecError::Forward("cannot connect"))?;
     let mariadb = version.unwrap_or_default().to_ascii_lowercase().contains("mariadb");
-    conn.query_drop(time_limit_sql(mariadb, spec.timeout)).await.map_err(|_| ExecError::Forward("session setup"))?;
-    conn.query_drop("SET SESSION TRANSACTION READ ONLY").await.map_err(|_| ExecError::Forward("session setup"))?;
-    Ok(Session { conn, healthy: true, busy: false })
+    let limit_sql = time_limit_sql(mariadb, spec.timeout);
+    conn.query_drop(&limit_sql).await.map_err(|_| ExecError::Forward("session setup"))?;
+    if !spec.write {
+        conn.query_drop("SET SESSION TRANSACTION READ ONLY").await.map_err(|_| ExecError::Forward("session setup"))?;
+    }
+    Ok(Session { conn, limit_sql, healthy: true, busy: false })
 }
 
 /// A MySQL/MariaDB session's statements, on its lease (`pool::Lease`).
@@ -180,6 +188,63 @@ impl Lease<Session> {
             page.rows += 1;
         }
         Ok(page)
+    }
+}
+
+/// A MySQL/MariaDB write session's statements (server/write.rs).
+impl Lease<Session> {
+    /// Prepare a write; preparing executes nothing. The statement must give no result set (checked by the
+    /// caller before executing).
+    pub(crate) async fn prepare_write(&mut self, sql: &str) -> Result<Statement, WriteError> {
+        match self.prepare(sql).await {
+            Ok(st) => Ok(st),
+            Err(ExecError::Stale) => Err(WriteError::Stale),
+            Err(_) => Err(WriteError::NotRun("prepare failed")),
+        }
+    }
+
+    /// Execute a write and commit it; the rows it changed (mysql-connector's rowcount: affected rows, not found
+    /// rows, neither driver sets CLIENT_FOUND_ROWS). The session is in autocommit: the statement is its own
+    /// transaction, committed by the server when it succeeds and rolled back when it fails (InnoDB), which is
+    /// what connectors.py's one statement then COMMIT amounts to, one round trip fewer. Then the session is
+    /// reset (S5: writes are always reset): COM_RESET_CONNECTION, then its time limit again.
+    ///
+    /// A statement the server rejects is `Rejected` with mysql-connector's text of it (`errno (sqlstate):
+    /// message`). Unlike PostgreSQL's, a failed statement on a non-transactional table (MyISAM, Aria, MEMORY)
+    /// keeps the rows it changed before failing: the plane never runs a write again (server/write.rs).
+    pub(crate) async fn write(&mut self, st: &Statement, args: Vec<Value>) -> Result<u64, WriteError> {
+        self.session_mut().busy = true;
+        let res = async {
+            let result = self.conn().exec_iter(st, Params::Positional(args)).await?;
+            let n = result.affected_rows();
+            result.drop_result().await?;
+            Ok::<u64, mysql_async::Error>(n)
+        }
+        .await;
+        let out = match res {
+            Ok(n) => Ok(n),
+            Err(mysql_async::Error::Server(e)) if matches!(e.code, 1969 | 3024 | 1317) => Err(WriteError::Timeout),
+            Err(e) if is_stale(&e) => {
+                self.session_mut().healthy = false;
+                Err(WriteError::Lost(e.to_string().lines().next().unwrap_or("Error").to_string()))
+            }
+            Err(mysql_async::Error::Server(e)) => Err(WriteError::Rejected(format!("{} ({}): {}", e.code, e.state, e.message))),
+            Err(e) => {
+                self.session_mut().healthy = false;
+                Err(WriteError::Lost(e.to_string()))
+            }
+        };
+        let limit_sql = self.session().limit_sql.clone();
+        let reset = async {
+            self.conn().reset().await?;
+            self.conn().query_drop(limit_sql).await
+        }
+        .await;
+        self.session_mut().busy = false;
+        if reset.is_err() {
+            self.session_mut().healthy = false; // a session whose reset failed is closed, not reused (S5)
+        }
+        out
     }
 }
 

@@ -5,7 +5,7 @@
 
 use crate::entries::ConnEntry;
 use crate::limits;
-use crate::error::ExecError;
+use crate::error::{ExecError, WriteError};
 use crate::pool::{self, Lease, Pool, Pooled, Pools};
 use crate::params::PVal;
 use crate::pyfmt::{decimal_str, float_repr, hex};
@@ -326,15 +326,19 @@ pub(crate) struct SessionSpec {
     pub(crate) conn: Rc<ConnEntry>,
     pub(crate) password: Option<String>,
     pub(crate) timeout_ms: u64,
+    /// A write session (connectors.py S1: no `default_transaction_read_only`), in a pool of its own, as each
+    /// Python worker keeps its read and write sessions apart.
+    pub(crate) write: bool,
 }
 
 thread_local! {
     static POOLS: Pools<Session> = RefCell::new(HashMap::new());
+    static WRITE_POOLS: Pools<Session> = RefCell::new(HashMap::new());
 }
 
-/// The thread's pool of sessions for this connection entry, password and limit.
+/// The thread's pool of sessions for this connection entry, password and limit (reads and writes apart).
 pub(crate) fn pool_for(spec: &SessionSpec) -> Rc<RefCell<Pool<Session>>> {
-    pool::pool_for(&POOLS, &spec.conn.name, spec)
+    pool::pool_for(if spec.write { &WRITE_POOLS } else { &POOLS }, &spec.conn.name, spec)
 }
 
 async fn connect(spec: &SessionSpec) -> Result<Session, ExecError> {
@@ -365,7 +369,10 @@ async fn open(spec: &SessionSpec) -> Result<Session, ExecError> {
     if let Some(p) = &spec.password {
         cfg.password(p);
     }
-    let mut opts = vec![format!("-c statement_timeout={}", spec.timeout_ms), "-c default_transaction_read_only=on".to_string()];
+    let mut opts = vec![format!("-c statement_timeout={}", spec.timeout_ms)];
+    if !spec.write {
+        opts.push("-c default_transaction_read_only=on".to_string());
+    }
     if let Some(sp) = c.options.get("schema").or_else(|| c.options.get("search_path")) {
         opts.push(format!("-c search_path={}", sp.replace([' ', '\\'], "")));
     }
@@ -497,6 +504,81 @@ async fn read_rows(client: &Client, st: &Statement, args: &[Arg], expect: usize)
         Some(why) => Err(why),
         None => Ok(page),
     })
+}
+
+/// The first line of what PostgreSQL said, as connectors.py `_first_line` keeps it (psycopg2's text of a server
+/// error is its message; DETAIL and HINT follow on lines of their own).
+fn first_line(e: &tokio_postgres::Error) -> String {
+    let text = match e.as_db_error() {
+        Some(db) => db.message().to_string(),
+        None => e.to_string(),
+    };
+    text.trim().lines().next().unwrap_or("Error").trim_end().to_string()
+}
+
+/// A PostgreSQL write session's statements (server/write.rs).
+impl Lease<Session> {
+    /// Prepare a write: its statement (cached per session, as reads do). Preparing executes nothing.
+    pub(crate) async fn prepare_write(&mut self, sql: &str, typed: &[Type]) -> Result<Statement, WriteError> {
+        match self.prepare(sql, typed).await {
+            Ok(st) => Ok(st),
+            Err(ExecError::Stale) => Err(WriteError::Stale),
+            Err(_) => Err(WriteError::NotRun("prepare failed")),
+        }
+    }
+
+    /// Execute a write in its own transaction and commit it, as connectors.py's write does (psycopg2 without
+    /// autocommit: BEGIN, the statement, COMMIT), then reset the session (S5: writes are always reset), all
+    /// four sent at once (tokio-postgres pipelines requests polled together: one write, one round trip). The
+    /// rows it changed (the command tag's count, psycopg2's rowcount) when it committed.
+    ///
+    /// What the database holds after each outcome: the statement failed (a server error) — the transaction is
+    /// aborted and the pipelined COMMIT ends it as a ROLLBACK: nothing committed; the statement ran and COMMIT
+    /// failed (a deferred constraint, a serialization failure) — rolled back as well; both answered — committed.
+    /// A session lost on the way (no server error, or SQLSTATE 08/57P) leaves it unknown: `Lost`.
+    pub(crate) async fn write(&mut self, st: &Statement, args: &[Arg]) -> Result<u64, WriteError> {
+        let params: Vec<&(dyn ToSql + Sync)> = args.iter().map(|a| a as &(dyn ToSql + Sync)).collect();
+        let session = self.session_mut();
+        session.busy = true;
+        let client = &session.client;
+        let (begin, result, commit, reset) = futures_util::future::join4(
+            client.batch_execute("BEGIN"),
+            client.execute(st, &params),
+            client.batch_execute("COMMIT"),
+            client.batch_execute(RESET_SESSION),
+        )
+        .await;
+        session.busy = false;
+        if reset.is_err() {
+            session.healthy = false; // a session whose reset failed is not reused (S5)
+        }
+        let lost = |e: &tokio_postgres::Error| e.as_db_error().is_none() || is_stale(e);
+        // BEGIN cannot fail on an idle session but for the connection itself; had it, the statement would have run
+        // in its own implicit transaction, whose outcome is the statement's: the rules below still hold
+        if let Err(e) = &begin {
+            if lost(e) {
+                session.healthy = false;
+                return Err(WriteError::Lost(first_line(e)));
+            }
+        }
+        let count = match result {
+            Ok(n) => n,
+            Err(e) if lost(&e) => {
+                session.healthy = false;
+                return Err(WriteError::Lost(first_line(&e)));
+            }
+            Err(e) if e.code() == Some(&SqlState::QUERY_CANCELED) => return Err(WriteError::Timeout),
+            Err(e) => return Err(WriteError::Rejected(first_line(&e))),
+        };
+        match commit {
+            Ok(()) => Ok(count),
+            Err(e) if lost(&e) => {
+                session.healthy = false;
+                Err(WriteError::Lost(first_line(&e)))
+            }
+            Err(e) => Err(WriteError::Rejected(first_line(&e))),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -50,7 +50,7 @@ async fn with_deadline(plan: &PlanEntry, fut: impl std::future::Future<Output = 
 /// terminated) is dropped with every idle one, and the read is tried once more on a fresh session.
 pub(super) async fn execute_pg(plan: &PlanEntry, conn: Rc<ConnEntry>, password: Option<String>, sql: &str, bound: &[PVal],
                     format: Format, expect: usize) -> Result<Rows, Exec> {
-    let spec = pg::SessionSpec { conn, password, timeout_ms: crate::limits::millis(plan.query_timeout) };
+    let spec = pg::SessionSpec { conn, password, timeout_ms: crate::limits::millis(plan.query_timeout), write: false };
     let pool = pg::pool_for(&spec);
     with_deadline(plan, async {
         for attempt in 0..2 {
@@ -104,7 +104,7 @@ pub(super) async fn execute_mysql(plan: &PlanEntry, conn: Rc<ConnEntry>, passwor
     for v in bound {
         args.push(mysql::arg_for(v).ok_or(Exec::Forward("parameter type"))?);
     }
-    let spec = mysql::SessionSpec { conn, password, timeout: plan.query_timeout };
+    let spec = mysql::SessionSpec { conn, password, timeout: plan.query_timeout, write: false };
     let pool = mysql::pool_for(&spec);
     with_deadline(plan, async {
         for attempt in 0..2 {

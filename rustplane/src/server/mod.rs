@@ -7,6 +7,8 @@
 //! - [`execute`]: the database call of a served request: a pooled session, the client-side deadline, one
 //!   retry on a fresh session;
 //! - [`forward`]: everything else, to gunicorn over kept-alive HTTP/1.1 connections;
+//! - [`write`]: a saved query that writes, when its plan entry lets the plane serve it: executed in its own
+//!   transaction on a write session, committed, answered and recorded as Python's write;
 //! - [`record`]: each served call's run record in the plane's ring and its counters in the plane's slot.
 //!
 //! Here: what every thread shares ([`Shared`]), request ids and the error answer, which served and
@@ -17,6 +19,7 @@ mod execute;
 mod forward;
 mod record;
 mod serve;
+mod write;
 
 pub use accept::{run_thread, DRAINING, INFLIGHT};
 pub use forward::Upstream;

@@ -32,6 +32,8 @@ pub(super) struct Run {
     pub(super) rows: i64,
     pub(super) bytes: i64,
     pub(super) request_id: String,
+    /// RR5: the database's words of a failed write the plane answered itself (server/write.rs); None otherwise.
+    pub(super) error: Option<String>,
 }
 
 impl Shared {
@@ -70,9 +72,10 @@ impl Shared {
             served_by: "plane",
             transport: "http",
             route: ROUTE,
-            // RR5: the plane keeps no text of the database's: a statement the database rejects, and every failure
-            // whose words matter, is forwarded to Python, which records them (execute.rs).
-            error: None,
+            // RR5: a read the database rejects, and every read failure whose words matter, is forwarded to Python,
+            // which records them (execute.rs); a write is never run twice, so its failure's words are the plane's
+            // to record (write.rs)
+            error: run.error.as_deref(),
         }
         .encode();
         let slot = self.slot;

@@ -5,6 +5,7 @@
 
 use super::execute::{execute_mysql, execute_pg, Exec};
 use super::record::Run;
+use super::write::{serve_write, Db, WriteCall};
 use super::{error_response, now_us, request_id, single_header, Body, Shared};
 use crate::entries::{ConnEntry, KeyEntry, PlanEntry, PlanLookup};
 use crate::error::{ApiError, Outcome, UNAUTHORIZED};
@@ -61,7 +62,7 @@ fn is_loopback_host(host: &str) -> bool {
     host.eq_ignore_ascii_case("localhost") || host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }
 
-fn stage(stages: &mut Vec<(&'static str, f64)>, name: &'static str, since: Instant) -> Instant {
+pub(super) fn stage(stages: &mut Vec<(&'static str, f64)>, name: &'static str, since: Instant) -> Instant {
     let now = Instant::now();
     stages.push((name, (now - since).as_secs_f64()));
     now
@@ -102,6 +103,7 @@ pub(super) async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Opti
         rows: 0,
         bytes: 0,
         request_id: rid.clone(),
+        error: None,
     };
     let Some(allowed) = key.allows(now_us(), peer) else { return Decision::Forward("allowed_ips needs Python") };
     if !allowed {
@@ -123,10 +125,15 @@ pub(super) async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Opti
         "mysql" => Dialect::Mysql,
         _ => return Decision::Forward("dialect"),
     };
-    if plan.is_write || plan.paged_sql(1, 1).is_none() || plan.cache_ttl
+    // a write: served when its entry carries governance's yes (LAYOUT.md [Plan entry] P3) and it has no masking
+    // (a write without a result set has nothing to mask; one with RETURNING is forwarded by write.rs)
+    if plan.is_write && (!plan.write_allowed || plan.transforms.is_some()) {
+        return Decision::Forward("write the plan entry does not let the plane serve");
+    }
+    if (!plan.is_write && plan.paged_sql(1, 1).is_none()) || plan.cache_ttl
         || (plan.transforms.is_some() && !plan.names_published)
     {
-        return Decision::Forward("plan not servable (dialect, write, paging)");
+        return Decision::Forward("plan not servable (dialect, paging, cache_ttl)");
     }
     if plan.transforms.as_ref().is_some_and(|t| t.contains(&Action::Hash)) && sh.mask_key.is_none() {
         return Decision::Forward("hash without a mask key");
@@ -186,6 +193,20 @@ pub(super) async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Opti
         _ => None,
     };
     let base = with_literals.as_ref().map_or(plan.sql_native.as_str(), |(sql, _)| sql.as_str());
+    if plan.is_write {
+        let w = WriteCall {
+            plan: &plan,
+            conn,
+            password,
+            db: if dialect == Dialect::Postgres { Db::Postgres } else { Db::Mysql },
+            sql: base,
+            args: with_literals.as_ref().map_or(bound.as_slice(), |(_, rest)| rest.as_slice()),
+            all_args: &bound,
+            format: opts.format,
+            name,
+        };
+        return serve_write(sh, w, run, t0, stages, t).await;
+    }
     let Some(sql) = plan.paged(base, opts.page, opts.page_size) else { return Decision::Forward("paging mode") };
     let executed = match dialect {
         Dialect::Postgres => {
@@ -248,12 +269,7 @@ pub(super) async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Opti
     h.insert("cache-control", HeaderValue::from_static("no-store"));
     h.insert("x-content-type-options", HeaderValue::from_static("nosniff"));
     if opts.format == Format::Csv {
-        // Python's formats.disposition(): a CSV answer is a download, named for its query.
-        let mut safe: String = name.chars().map(|c| if c.is_ascii_alphanumeric() || "._-".contains(c) { c } else { '_' }).collect();
-        if safe.is_empty() {
-            safe.push_str("result");
-        }
-        if let Ok(v) = HeaderValue::from_str(&format!("attachment; filename=\"{safe}.csv\"")) {
+        if let Ok(v) = HeaderValue::from_str(&csv_disposition(name)) {
             h.insert("content-disposition", v);
         }
     }
@@ -262,6 +278,15 @@ pub(super) async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Opti
     }
     h.insert("x-request-id", HeaderValue::from_str(&rid).unwrap_or(HeaderValue::from_static("-")));
     Decision::Answer(r)
+}
+
+/// Python's formats.disposition(): a CSV answer is a download, named for its query.
+pub(super) fn csv_disposition(name: &str) -> String {
+    let mut safe: String = name.chars().map(|c| if c.is_ascii_alphanumeric() || "._-".contains(c) { c } else { '_' }).collect();
+    if safe.is_empty() {
+        safe.push_str("result");
+    }
+    format!("attachment; filename=\"{safe}.csv\"")
 }
 
 #[derive(Clone, Copy, PartialEq)]
