@@ -514,14 +514,19 @@ class Report:
         self.w('### Writes by callers\n')
         self.w('One worker, the write (`deposit`) at 1, 8 and 32 callers. Cells: calls/s; calls per gateway '
                'CPU-second; the gateway\'s CPU share (cores busy, of the one it has); p50 ms. A CPU share well under '
-               '1 at many callers means calls wait on commits, not on the CPU.\n')
+               '1 at many callers means calls wait on commits, not on the CPU. "÷ reference": calls per gateway '
+               'CPU-second over QueryAPIGate 0.43 + cache\'s at the same callers, median (worst-best of the '
+               'rounds).\n')
         out = []
+        ref = {c: rs for (t, c), rs in group(rows, 'target', 'conns').items() if t == 'peer_cache'}
         for (t, th, c), rs in sorted(group(rows, 'target', 'threads', 'conns').items(),
                                      key=lambda kv: (order_targets([kv[0][0]]), kv[0][1] or 0, kv[0][2])):
+            vs_ref = ratio_cell(rs, ref.get(c, []), 'calls_per_gw_cpu_s') if t.startswith('qag') else ''
             out.append([LABEL.get(t, t), th or 'default', c, cell([r.get('rps') for r in rs]),
-                        cell([r.get('calls_per_gw_cpu_s') for r in rs]), cell([r.get('gw_cores') for r in rs], 2),
-                        cell([r.get('p50_ms') for r in rs], 2)])
-        self.w(table(['target', 'threads', 'callers', 'calls/s', 'calls per gw CPU-s', 'gw cores', 'p50 ms'], out))
+                        cell([r.get('calls_per_gw_cpu_s') for r in rs]), vs_ref,
+                        cell([r.get('gw_cores') for r in rs], 2), cell([r.get('p50_ms') for r in rs], 2)])
+        self.w(table(['target', 'threads', 'callers', 'calls/s', 'calls per gw CPU-s',
+                      '÷ reference per gw CPU-s', 'gw cores', 'p50 ms'], out))
 
     def chart_openloop(self, rows, targets, harness):
         try:
