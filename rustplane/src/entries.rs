@@ -292,8 +292,13 @@ pub struct PlanEntry {
     /// connectors.py S5 (LAYOUT.md [Plan entry], 1.1): the statement is proven to leave no session state behind. False
     /// (or absent): the session is reset after the call (PostgreSQL) or closed (MySQL).
     pub state_free: bool,
-    /// A saved query with `cache_ttl` answers repeat calls from Python's result cache: forwarded.
+    /// A saved query with `cache_ttl`: its calls are answered from the host's response cache (a fresh record
+    /// under `response_prefix` + the call's suffix), or forwarded (a miss: Python fills the cache).
     pub cache_ttl: bool,
+    /// LAYOUT.md [Plan entry] 23 (entries 1.2), [Response cache] R5: the prefix of this plan's cached answers'
+    /// keys (query, version, connection, generations, the masking fingerprint). None: not cacheable, or an
+    /// older publisher: a call of a query with `cache_ttl` is then forwarded.
+    pub response_prefix: Option<Vec<u8>>,
     pub page_mode: String,
     pub is_write: bool,
     /// LAYOUT.md [Plan entry] P3 (1.3): the write may be served by the plane: `is_write`, the server's and the
@@ -324,6 +329,13 @@ impl PlanEntry {
             Some(plan) if plan.query == query => PlanLookup::Hit(plan.clone()),
             _ => PlanLookup::Unservable,
         }
+    }
+
+    /// A plan entry's payload decoded on its own, without E1's check of its generations (tests, tools); None
+    /// when it is malformed or not one the plane can serve.
+    pub fn from_payload(payload: &[u8]) -> Option<PlanEntry> {
+        let (_, _, plan) = Self::parse_any(&msgpack::decode(payload)?)?;
+        plan.map(|p| (*p).clone())
     }
 
     /// (gens, connection, the plan if the plane can serve it): the generations are read even from an
@@ -359,6 +371,10 @@ impl PlanEntry {
             names_published: v.get("names").is_some(),
             state_free: v.get("state_free").and_then(Value::as_bool).unwrap_or(false),
             cache_ttl: !matches!(v.get("cache_ttl"), None | Some(Value::Nil) | Some(Value::UInt(0)) | Some(Value::Int(0))),
+            response_prefix: match v.get("response_prefix") {
+                Some(Value::Bin(b)) => Some(b.clone()),
+                _ => None,
+            },
             output_names: match v.get("names") {
                 None | Some(Value::Nil) => None,
                 Some(a) => Some(a.as_array()?.iter().map(|x| if x.is_nil() { Some(None) } else { x.as_str().map(|s| Some(s.to_string())) })

@@ -28,6 +28,7 @@
 //!   [`render`] (JSON, NDJSON, CSV), [`pyfmt`] (Python's text forms);
 //! - `pg` and `mysql` (sessions and value decoding per database), `pool` (per-thread session pools and the
 //!   lease of a session), `limits` (statement limits, client-side deadlines, keepalives);
+//! - [`responses`] (the response cache's reader: saved queries' cached answers, shm/LAYOUT.md [Response cache]);
 //! - [`segment`] (the shared segment's layout), [`msgpack`], [`sys`] (every `unsafe`), [`log`] (log lines,
 //!   text or JSON as QAG_LOG_FORMAT says).
 //!
@@ -47,6 +48,7 @@ mod pg;
 mod pool;
 pub mod pyfmt;
 pub mod render;
+pub mod responses;
 pub mod segment;
 pub mod server;
 #[allow(unsafe_code)] // the one module allowed `unsafe` ([lints] in Cargo.toml): each block has a SAFETY line

@@ -59,6 +59,15 @@ pub(crate) enum Format {
 }
 
 impl Format {
+    /// The format's name as a call's options hold it (lowercase): the response cache's key has it (R5).
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Format::Json => "json",
+            Format::Ndjson => "ndjson",
+            Format::Csv => "csv",
+        }
+    }
+
     pub(crate) fn content_type(self) -> &'static str {
         match self {
             Format::Json => "application/json",

@@ -101,6 +101,8 @@ pub struct Geometry {
     pub hist_buckets: u32,
     pub ring_stride: u32,
     pub regions: [(u64, u64); 7],
+    /// Region 7, `responses` (layout 1.1; (0, 0) in a 1.0 segment, or when the response cache is off).
+    pub responses: (u64, u64),
     pub hist_bounds: Vec<f64>,
 }
 
@@ -176,6 +178,15 @@ impl Segment {
                 return Err(LayoutError("segment region table is inconsistent with its size".into()));
             }
         }
+        let responses = if u32at(H_REGION_COUNT) >= 8 {
+            let r = (m.load_u64(H_REGIONS + 16 * 7, Relaxed), m.load_u64(H_REGIONS + 16 * 7 + 8, Relaxed));
+            if r.0.checked_add(r.1).is_none_or(|end| end > size) {
+                return Err(LayoutError("segment region table is inconsistent with its size".into()));
+            }
+            r
+        } else {
+            (0, 0)
+        };
         let hist_buckets = u32at(H_HIST_BUCKETS);
         let hist_bounds = (0..hist_buckets.min(32) as usize).map(|i| m.load_f64(H_HIST_BOUNDS + 8 * i)).collect();
         let g = Geometry {
@@ -194,6 +205,7 @@ impl Segment {
             hist_buckets,
             ring_stride: u32at(H_RING_STRIDE),
             regions,
+            responses,
             hist_bounds,
         };
         if g.gen_slots == 0 || !g.gen_slots.is_power_of_two() || g.cache_ways == 0 || g.cache_slot_count < g.cache_ways
@@ -208,6 +220,15 @@ impl Segment {
             sems: None,
             series: Mutex::new(SeriesCache { decoded: 0, by_norm: HashMap::new() }),
         })
+    }
+
+    /// The response cache (region 7), when the segment has one ([Response cache] R1).
+    pub fn responses(&self) -> Option<crate::responses::Responses<'_>> {
+        let (off, size) = self.g.responses;
+        if size == 0 {
+            return None;
+        }
+        crate::responses::Responses::new(&self.m, off as usize, size as usize)
     }
 
     pub fn region(&self, r: usize) -> usize {

@@ -4,6 +4,8 @@
 //!   request (served here or forwarded), and draining on SIGTERM;
 //! - [`serve`]: the request path of `GET /q/<name>`, one stage after the other, mirroring qag/http/data.py's
 //!   `DataResource.serve` (auth, plan, bind, execute, govern, render);
+//! - [`cached`]: a call of a query with `cache_ttl` answered from the host's response cache (a fresh hit), else
+//!   forwarded (Python fills the cache);
 //! - [`execute`]: the database call of a served request: a pooled session, the client-side deadline, one
 //!   retry on a fresh session;
 //! - [`forward`]: everything else, to gunicorn over kept-alive HTTP/1.1 connections;
@@ -15,6 +17,7 @@
 //! forwarded calls both use.
 
 mod accept;
+mod cached;
 mod execute;
 mod forward;
 mod record;

@@ -133,3 +133,13 @@ impl Shared {
         }
     }
 }
+
+impl Shared {
+    /// Observer.response_cache: one lookup of a cached answer by result (qag_response_cache_total{result}).
+    pub(super) fn count_response_cache(&self, result: &'static str) {
+        let mut p = self.producer.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = self.cell(&mut p, KIND_COUNTER, "qag_response_cache_total", &[("result", result)]) {
+            self.seg.cell_add(self.slot, c, 1.0);
+        }
+    }
+}

@@ -3,6 +3,7 @@
 //! entry) → bind (options, parameters) → execute → govern (masking) → render → record, each stage timed
 //! into `Server-Timing`. Each early return says why the call goes to Python instead (`Decision::Forward`).
 
+use super::cached;
 use super::execute::{execute_mysql, execute_pg, Exec};
 use super::record::Run;
 use super::write::{serve_write, Db, WriteCall};
@@ -130,10 +131,12 @@ pub(super) async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Opti
     if plan.is_write && (!plan.write_allowed || plan.transforms.is_some()) {
         return Decision::Forward("write the plan entry does not let the plane serve");
     }
-    if (!plan.is_write && plan.paged_sql(1, 1).is_none()) || plan.cache_ttl
+    // a read of a query with cache_ttl: answered from the response cache (cached.rs) when its entry carries the
+    // key's prefix (entries 1.2); a write is never cached (data.py from_cache), and one with cache_ttl is Python's
+    if (!plan.is_write && plan.paged_sql(1, 1).is_none()) || (plan.cache_ttl && (plan.is_write || plan.response_prefix.is_none()))
         || (plan.transforms.is_some() && !plan.names_published)
     {
-        return Decision::Forward("plan not servable (dialect, paging, cache_ttl)");
+        return Decision::Forward("plan not servable (dialect, paging, cache_ttl without a prefix)");
     }
     if plan.transforms.as_ref().is_some_and(|t| t.contains(&Action::Hash)) && sh.mask_key.is_none() {
         return Decision::Forward("hash without a mask key");
@@ -181,6 +184,13 @@ pub(super) async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Opti
         }
     }
     let t = stage(&mut stages, "bind", t);
+    if plan.cache_ttl && !plan.is_write {
+        // data.py from_cache: a fresh cached answer, without the database; else Python's (it fills the cache)
+        return match cached::lookup(sh, &plan, &opts, &bound) {
+            Ok(rec) => cached::answer(sh, req, rec, &opts, name, run, t0).await,
+            Err(why) => Decision::Forward(why),
+        };
+    }
     // MySQL: mysql-connector sends a float as its repr, a literal in the statement text (DECIMAL, or DOUBLE
     // with an exponent); no bound type is read the same way, so the plane puts the same literal there
     let with_literals = match dialect {
@@ -265,7 +275,8 @@ pub(super) async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Opti
     h.insert("x-page-size", num(opts.page_size));
     h.insert("x-row-count", num(nrows as i64));
     h.insert("x-has-more", HeaderValue::from_static(if has_more { "true" } else { "false" }));
-    // as Python's answers (qag/http/app.py RequestIdMiddleware): never sniffed; the plane serves no cache_ttl query
+    // as Python's answers (qag/http/app.py RequestIdMiddleware): never sniffed, never stored (a cache_ttl query's
+    // answers are cached.rs's)
     h.insert("cache-control", HeaderValue::from_static("no-store"));
     h.insert("x-content-type-options", HeaderValue::from_static("nosniff"));
     if opts.format == Format::Csv {
