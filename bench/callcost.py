@@ -217,9 +217,9 @@ class QagWorkerApp:
         return out
 
     def close(self):
+        self.seg.unlink()  # the names first: the app's views of the segment may keep close() from unmapping
         try:
             self.seg.close()
-            self.seg.unlink()
         except Exception:  # noqa: BLE001 - best effort at exit
             pass
 
