@@ -305,6 +305,8 @@ pub struct PlanEntry {
     /// key's write settings both true, and `write_ops` (not empty) all within `allowed_write_ops` (nil: any).
     /// False for every read, and for a write whose entry lacks any of the three (a publisher before 1.3): forwarded.
     pub write_allowed: bool,
+    /// The statement's write operations (informative for Python; the plane serves only plain DML, write.rs).
+    pub write_ops: Vec<String>,
     pub default_page_size: i64,
     pub max_page_size: i64,
     pub query_timeout: f64,
@@ -383,6 +385,10 @@ impl PlanEntry {
             page_mode: v.get("page_mode")?.as_str()?.to_string(),
             is_write: v.get("is_write")?.as_bool()?,
             write_allowed: write_allowed(v),
+            write_ops: match v.get("write_ops").and_then(Value::as_array) {
+                Some(a) => a.iter().filter_map(|o| o.as_str().map(str::to_ascii_lowercase)).collect(),
+                None => Vec::new(),
+            },
             default_page_size: v.get("default_page_size")?.as_i64()?,
             max_page_size: v.get("max_page_size")?.as_i64()?,
             query_timeout: v.get("query_timeout")?.as_f64()?,

@@ -115,6 +115,9 @@ pub(crate) enum WriteError {
     /// The session was lost while the write was on its way (the driver's first line): it may have committed or
     /// not, and nobody can tell. Never run again (502 `connection_failed`, as Python answers: connectors.py S6).
     Lost(String),
+    /// The statement ran and sent rows where its prepared metadata said it would send none (`write::servable`
+    /// keeps every statement known to do so away): it is never run again, and the call is a 500.
+    RowsAfterAll,
 }
 
 #[cfg(test)]

@@ -216,13 +216,15 @@ impl Lease<Session> {
         self.session_mut().busy = true;
         let res = async {
             let result = self.conn().exec_iter(st, Params::Positional(args)).await?;
+            let rows = result.columns().is_some_and(|c| !c.is_empty());
             let n = result.affected_rows();
             result.drop_result().await?;
-            Ok::<u64, mysql_async::Error>(n)
+            Ok::<(u64, bool), mysql_async::Error>((n, rows))
         }
         .await;
         let out = match res {
-            Ok(n) => Ok(n),
+            Ok((_, true)) => Err(WriteError::RowsAfterAll),
+            Ok((n, false)) => Ok(n),
             Err(mysql_async::Error::Server(e)) if matches!(e.code, 1969 | 3024 | 1317) => Err(WriteError::Timeout),
             Err(e) if is_stale(&e) => {
                 self.session_mut().healthy = false;

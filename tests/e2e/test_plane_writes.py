@@ -47,7 +47,13 @@ QUERIES = {
     "halve": ("UPDATE accounts SET balance = balance / :d WHERE id = :id", {"id": "int", "d": "int"}),
     "scale": ("UPDATE accounts SET balance = balance * :f WHERE id = :id", {"id": "int", "f": "float"}),
     "balances": ("SELECT id, balance, note FROM accounts ORDER BY id", {}),
+    # a write that returns rows: the plane prepares it, sees a result set and forwards it before anything ran
+    "close_returning": ("DELETE FROM accounts WHERE id = :id RETURNING id, balance", {"id": "int"}),
 }
+# over the server's 2 s limit (QAG_QUERY_TIMEOUT): cancelled by the database and rolled back, 504 (not in the
+# random sequence: test_a_write_over_its_limit_is_rolled_back)
+SLOW = {"postgres": "UPDATE accounts SET balance = balance + 1 + 0 * length(pg_sleep(:s)::text) WHERE id = :id",
+        "mariadb": "UPDATE accounts SET balance = balance + 1 + SLEEP(:s) WHERE id = :id"}
 START = [(i, 100 * i, f"acct {i}") for i in range(1, 21)]
 
 
@@ -89,15 +95,16 @@ def _keys(srv, conn):
             "reader": post({"name": "reader", "queries": ["*"], "connections": [conn]})}
 
 
-def _stack(connection):
+def _stack(connection, dialect):
     import requests
 
     from tests.conftest import start_server
-    srv = start_server({"QAG_WORKERS": "1", "QAG_ALLOW_WRITES": "1"},
+    srv = start_server({"QAG_WORKERS": "1", "QAG_ALLOW_WRITES": "1", "QAG_QUERY_TIMEOUT": "2"},
                        args=("--workers", "1", "--plane", "--plane-threads", "2"))
     r = requests.post(srv.base + "/api/v1/connections", json=connection, headers=srv.admin, timeout=30)
     assert r.status_code == 201, r.text
-    for q, (sql, params) in QUERIES.items():
+    queries = {**QUERIES, "slow_deposit": (SLOW[dialect], {"id": "int", "s": "int"})}
+    for q, (sql, params) in queries.items():
         r = requests.post(srv.base + "/api/v1/queries", json={"name": q, "connection_name": connection["name"],
                                                               "sql": sql, "parameters": params, "publish": True},
                           headers=srv.admin, timeout=30)
@@ -116,7 +123,7 @@ def stack(request):
         for stmt in PG_SCHEMA.split(";\n"):
             pg_exec(dsn, stmt, None)
         srv = _stack({"name": "pg", "db": "postgres", "host": "127.0.0.1", "port": 5432, "user": "postgres",
-                      "database": PG_DB})
+                      "database": PG_DB}, "postgres")
         srv.seed, srv.state, srv.dsn = _seed_pg, _state_pg, dsn
     else:
         try:
@@ -125,7 +132,7 @@ def stack(request):
             pytest.skip(f"no MariaDB: {exc}")
         mysql_exec(MY_SCHEMA, multi=True)
         srv = _stack({"name": "my", "db": "mysql", "host": "127.0.0.1", "port": 3306, "user": "root",
-                      "database": MY_DB})
+                      "database": MY_DB}, "mariadb")
         srv.seed, srv.state, srv.dsn = _seed_my, _state_my, None
     srv.dialect = request.param
     yield srv
@@ -136,7 +143,8 @@ def stack(request):
 
 def _random_call(rnd: random.Random) -> tuple[str, str]:
     who = rnd.choice(["writer"] * 6 + ["updater"] * 2 + ["reader"])
-    q = rnd.choice(["deposit"] * 4 + ["open_account", "close_account", "book", "book", "halve", "scale", "balances"])
+    q = rnd.choice(["deposit"] * 4 + ["open_account", "close_account", "book", "book", "halve", "scale", "balances",
+                                      "close_returning"])
     p: list[tuple[str, str]] = []
     if q == "deposit":
         p += [("id", str(rnd.randint(1, 25))), ("delta", rnd.choice([str(rnd.randint(-60, 60))] * 8 + ["abc", "5000"]))]
@@ -144,7 +152,7 @@ def _random_call(rnd: random.Random) -> tuple[str, str]:
         p += [("id", str(rnd.randint(15, 40))), ("balance", str(rnd.randint(0, 50)))]
         if rnd.random() < 0.5:
             p.append(("note", rnd.choice(["new", "é and \"quotes\"", "x" * 30, "tab\there"])))
-    elif q == "close_account":
+    elif q in ("close_account", "close_returning"):
         p.append(("id", str(rnd.randint(1, 40))))
     elif q == "book":
         p += [("aid", str(rnd.randint(1, 20))), ("amount", str(rnd.randint(-9, 9)))]
@@ -197,7 +205,8 @@ def test_writes_differential(stack):
             assert rp[f] == ry[f], (f, who, path, rp, ry)
         # forwarded while nothing ran: reads, a format the plane does not render, and on PostgreSQL a float bound
         # where the statement infers an int (psycopg2 sends a numeric literal, the plane cannot bind it alike)
-        if path.startswith(("/q/balances", "/q/scale" if srv.dialect == "postgres" else "-")) or "format=xml" in path:
+        if path.startswith(("/q/balances", "/q/close_returning", "/q/scale" if srv.dialect == "postgres" else "-")) \
+                or "format=xml" in path:
             continue
         if a[0] in (200, 500):
             served["writes_total"] += 1
@@ -245,3 +254,24 @@ def test_a_write_through_the_plane_commits_once(stack):
     accounts, ledger, _counter = srv.state(srv.dsn)
     assert [r for r in accounts if r[0] == 3][0][1] == 300 + 50
     assert [r[2] for r in ledger] == list(range(50)) and [r[0] for r in ledger] == list(range(1, 51))
+
+
+def test_a_write_over_its_limit_is_rolled_back(stack):
+    """A write the database cancels at its limit (QAG_QUERY_TIMEOUT 2 s): 504 query_timeout through the plane,
+    answered by the plane exactly as Python answers it, and nothing committed."""
+    srv = stack
+    srv.seed(srv.dsn)
+    before = srv.state(srv.dsn)
+    plane, direct = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30), UnixConn(srv.sock)
+    h = {"X-API-Key": srv.keys["writer"], "X-Request-Id": "slow-w"}
+    b = _call(direct, "/q/slow_deposit?id=4&s=0", h)  # Python publishes the plan (a quick call)
+    assert b[0] == 200, b
+    srv.seed(srv.dsn)
+    b = _call(direct, "/q/slow_deposit?id=4&s=3", {**h, "X-Request-Id": "slow-y"})
+    a = _call(plane, "/q/slow_deposit?id=4&s=3", {**h, "X-Request-Id": "slow-p"})
+    assert a[0] == b[0] == 504 and a[1].replace(b"slow-p", b"slow-y") == b[1], (a, b)
+    assert b'"code": "query_timeout", "request_id": "slow-y", "timeout": 2.0' in b[1], b
+    assert srv.state(srv.dsn) == before, "a cancelled write commits nothing"
+    time.sleep(1.5)
+    runs = _history(srv, "slow_deposit")
+    assert runs["slow-p"]["served_by"] == "plane" and runs["slow-p"]["code"] == "query_timeout", runs["slow-p"]

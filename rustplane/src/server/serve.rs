@@ -128,7 +128,7 @@ pub(super) async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Opti
     };
     // a write: served when its entry carries governance's yes (LAYOUT.md [Plan entry] P3) and it has no masking
     // (a write without a result set has nothing to mask; one with RETURNING is forwarded by write.rs)
-    if plan.is_write && (!plan.write_allowed || plan.transforms.is_some()) {
+    if plan.is_write && (!plan.write_allowed || plan.transforms.is_some() || !super::write::servable(&plan, dialect == Dialect::Mysql)) {
         return Decision::Forward("write the plan entry does not let the plane serve");
     }
     // a read of a query with cache_ttl: answered from the response cache (cached.rs) when its entry carries the

@@ -34,6 +34,20 @@ use hyper::Response;
 use std::rc::Rc;
 use std::time::Instant;
 
+/// The write operations the plane serves: plain DML, whose statements answer an affected-row count and nothing
+/// else. Anything else a key may be granted (create, set, transaction, a procedure's call...) stays Python's.
+const SERVED_OPS: [&str; 4] = ["insert", "update", "delete", "replace"];
+
+/// Whether the plane may run this write at all, decided from the plan before anything is prepared: plain DML
+/// only, and on MySQL/MariaDB no `RETURNING` anywhere in the text (MariaDB's DELETE/INSERT ... RETURNING
+/// prepares as if it returned no columns, then sends rows: the prepared metadata cannot be trusted for it;
+/// the word in a literal or a comment only costs a forward).
+pub(super) fn servable(plan: &PlanEntry, mysql: bool) -> bool {
+    !plan.write_ops.is_empty()
+        && plan.write_ops.iter().all(|o| SERVED_OPS.contains(&o.as_str()))
+        && !(mysql && plan.sql_native.to_ascii_lowercase().contains("returning"))
+}
+
 /// qag/errors.py QueryFailed's sentence (a scoped key never reads the database's words).
 const QUERY_FAILED: &str = "The database rejected the statement; an administrator can see why in the run history.";
 
@@ -137,6 +151,11 @@ fn fail_of(e: WriteError, plan: &PlanEntry, conn: &str) -> Fail {
         WriteError::Rejected(text) => Fail::Answer(ApiError::new(500, "query_failed", QUERY_FAILED), Some(text)),
         WriteError::Timeout => Fail::Answer(timeout_error(plan.query_timeout), None),
         WriteError::Lost(text) => Fail::Answer(unreachable(conn), Some(text)),
+        WriteError::RowsAfterAll => {
+            crate::plog!("error", "a write on connection {conn} sent rows the plane did not expect (its statement ran)");
+            Fail::Answer(ApiError::new(500, "internal_error",
+                                       "The write ran, but the data plane could not read its answer; check the data before retrying."), None)
+        }
     }
 }
 
