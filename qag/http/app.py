@@ -172,12 +172,13 @@ class QagApp:
 
 def response_cache(cfg, segment):
     """The host's response cache: the segment's region (shm/LAYOUT.md [Response cache]), or, for an app without a
-    segment (in-process tools and tests), one in this process of QAG_RESPONSE_CACHE_MB (at most 16); None when
+    segment (in-process tools and tests), one in this process of QAG_RESPONSE_CACHE_MB (auto or at most: 16); None when
     QAG_RESPONSE_CACHE_MB is 0."""
     if segment is not None:
         rc = segment.responses
         return rc if rc.enabled else None
-    mb = min(int(getattr(cfg, "response_cache_mb", 0) or 0), 16)
+    mb = getattr(cfg, "response_cache_mb", 0) or 0
+    mb = min(16 if mb == "auto" else int(mb), 16)
     if not mb:
         return None
     from shm.responses import Responses

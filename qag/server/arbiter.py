@@ -201,12 +201,18 @@ class Child:
                 proc.kill()
 
 
+AUTO_RESPONSE_CACHE_MB = 16
+
+
 def response_cache_bytes(cfg, slots: int) -> int:
-    """QAG_RESPONSE_CACHE_MB in bytes, checked against QAG_SHM_SIZE (shm/LAYOUT.md [Geometry]): a value that does
-    not fit stops the start with a message naming both settings (issue 17's "Bad input")."""
+    """QAG_RESPONSE_CACHE_MB in bytes, checked against QAG_SHM_SIZE (shm/LAYOUT.md [Geometry]): a value set that
+    does not fit stops the start with a message naming both settings (issue 17's "Bad input"); `auto` (the
+    default) takes 16 MiB or what a smaller segment leaves, so a small QAG_SHM_SIZE alone still starts."""
     from shm import layout
-    mb = int(getattr(cfg, "response_cache_mb", 0) or 0)
+    mb = getattr(cfg, "response_cache_mb", 0) or 0
     most = layout.max_responses_size(cfg.shm_size, slots) if cfg.shm_size >= layout.MIN_SIZE else 0
+    if mb == "auto":  # 16 MiB, or what a smaller segment leaves (whole MiB; 0: no response cache)
+        return min(AUTO_RESPONSE_CACHE_MB, most >> 20) << 20
     if mb << 20 > most:
         raise StartFailed(f"QAG_RESPONSE_CACHE_MB={mb} does not fit in the shared-memory segment: with "
                           f"QAG_SHM_SIZE={cfg.shm_size} and {slots} process slots the response cache may have at "

@@ -243,3 +243,19 @@ def test_a_response_cache_too_large_for_the_segment_stops_the_start(tmp_path):
     assert p.returncode != 0
     out = p.stdout + p.stderr
     assert "QAG_RESPONSE_CACHE_MB=40" in out and "QAG_SHM_SIZE" in out, out
+
+
+def test_a_small_segment_alone_starts_with_the_cache_that_fits(tmp_path):
+    """QAG_RESPONSE_CACHE_MB's default (auto) takes 16 MiB or what a smaller QAG_SHM_SIZE leaves: an operator who
+    only shrinks the segment is not stopped by a setting they never set."""
+    s = start_server({"QAG_SHM_SIZE": str(4 << 20)}, args=("--workers", "1"))
+    try:
+        t = requests.get(s.base + "/api/v1/cache", headers=s.admin, timeout=30).json()["totals"]
+        assert t["enabled"] and 0 < t["capacity_bytes"] <= 1 << 20, t
+    finally:
+        s.stop()
+    s = start_server({"QAG_SHM_SIZE": str(1 << 20)}, args=("--workers", "1"))
+    try:
+        assert requests.get(s.base + "/health", timeout=30).status_code == 200
+    finally:
+        s.stop()
