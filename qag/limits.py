@@ -141,7 +141,21 @@ def parse(field: str, value) -> Spec:
                                                                      if kind == "quota" else ""))
 
 
+_BOUNDS: dict[str, tuple[float, float]] = {}   # period name -> the current period's (start, end)
+
+
 def period_bounds(spec: Spec, now: float) -> tuple[float, float]:
+    """The UTC-aligned period holding `now`: [start, end). The current one is remembered per period name (a
+    calendar month's bounds take two struct_time conversions, ~3.5 us, on every quota'd call otherwise)."""
+    b = _BOUNDS.get(spec.per)
+    if b is not None and b[0] <= now < b[1]:
+        return b
+    b = _period_bounds(spec, now)
+    _BOUNDS[spec.per] = b
+    return b
+
+
+def _period_bounds(spec: Spec, now: float) -> tuple[float, float]:
     if spec.period is not None:
         start = now - (now % spec.period)
         return start, start + spec.period
@@ -200,6 +214,7 @@ class Limiter:
         self._lock = threading.Lock()
         self._leases: dict[str, list] = {}         # bucket -> [tokens, expires, capacity, left, reset]
         self._quotas: dict[str, QuotaLease] = {}   # a quota period's counters -> this worker's lease
+        self._parsed: dict[int, tuple] = {}          # id(grants) -> (grants, rate_limit, quota, specs)
         self._reaper: threading.Thread | None = None
         self._wake = threading.Event()
         self._stopped = False
@@ -233,14 +248,10 @@ class Limiter:
     # -- the call path ---------------------------------------------------------------------------------------
     def check(self, key_name: str, grants: dict) -> Decision | None:
         """Admit the call or raise 429; None when the key has no limit."""
-        specs = []
-        for field in ("rate_limit", "quota"):
-            raw = grants.get(field)
-            if raw:
-                try:
-                    specs.append((field, parse(field, raw)))
-                except ValueError:
-                    continue  # refused at save; a row written before the grammar grew is not enforced wrongly
+        rate, quota = grants.get("rate_limit"), grants.get("quota")
+        if not rate and not quota:
+            return None
+        specs = self._specs(grants, rate, quota)
         if not specs:
             return None
         now = time.time()
@@ -262,6 +273,24 @@ class Limiter:
         d.headers = {"RateLimit-Limit": str(tight[1]), "RateLimit-Remaining": str(max(0, tight[0])),
                      "RateLimit-Reset": str(max(0, int(tight[2] + 0.999)))}
         return d
+
+    def _specs(self, grants: dict, rate, quota) -> list:
+        """The key's limits, parsed once per grants object (a cached key row's stays the same object until the key
+        changes; the entry holds it, so its id is not reused while cached, and its values are checked)."""
+        hit = self._parsed.get(id(grants))
+        if hit is not None and hit[0] is grants and hit[1] == rate and hit[2] == quota:
+            return hit[3]
+        specs = []
+        for field, raw in (("rate_limit", rate), ("quota", quota)):
+            if raw:
+                try:
+                    specs.append((field, parse(field, raw)))
+                except ValueError:
+                    continue  # refused at save; a row written before the grammar grew is not enforced wrongly
+        if len(self._parsed) >= 4096:
+            self._parsed.clear()
+        self._parsed[id(grants)] = (grants, rate, quota, specs)
+        return specs
 
     def _one(self, field, key_name, spec, now, d):
         if spec.kind == "quota" and self.url:
