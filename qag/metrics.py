@@ -56,7 +56,9 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                              "miss, stale (the previous answer while another call fills it), "
                                              "waited (a hit after waiting on that call), bypass (not cacheable: "
                                              "no response cache, an argument without encoding, the change watcher "
-                                             "behind), rejected (an answer larger than the largest record)."),
+                                             "behind), rejected (an answer larger than the largest record), "
+                                             "redis (a hit in the Redis tier shared by the hosts), "
+                                             "redis_unavailable (that tier skipped: Redis did not answer)."),
                                  ("result",)),
     "qag_response_cache_bytes": ("gauge", "Bytes of the host's cached answers (records the index points at).", ()),
     "qag_response_cache_capacity_bytes": ("gauge", "Bytes of the response cache's arena (QAG_RESPONSE_CACHE_MB "
@@ -126,7 +128,8 @@ class LocalBackend:
 
 _HIT = (("result", "hit"),)
 _MISS = (("result", "miss"),)
-_RESULT = {r: (("result", r),) for r in ("hit", "miss", "stale", "waited", "bypass", "rejected")}
+_RESULT = {r: (("result", r),) for r in ("hit", "miss", "stale", "waited", "bypass", "rejected", "redis",
+                                         "redis_unavailable")}
 
 
 class Observer:

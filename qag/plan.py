@@ -24,7 +24,7 @@ SQLGLOT_DIALECT = {"postgres": "postgres", "mysql": "mysql", "sqlite": "sqlite",
 class Plan:
     __slots__ = ("query", "version", "connection", "dialect", "sql", "arg_names", "specs", "is_write", "write_ops",
                  "transforms", "names", "tables", "page_mode", "gens", "cache_ttl", "key_name", "unknown",
-                 "state_free", "claims", "response_prefix", "write_grant")
+                 "state_free", "claims", "response_prefix", "shared_prefix", "write_grant")
 
     def bind_args(self, values: dict[str, Any]) -> tuple:
         return tuple(values[n] for n in self.arg_names)
@@ -110,6 +110,7 @@ def build(*, key: dict | None, query: dict, version: dict, connection: dict, con
     plan.specs = P.build_specs(version["parameters"])
     plan.cache_ttl = query.get("cache_ttl")
     plan.response_prefix = None  # its cached answers' key prefix (shm/LAYOUT.md [Response cache] R5), made on use
+    plan.shared_prefix = None  # the same in Redis, store-stable (qag/response_tier.py), made on use
     plan.key_name = key["name"] if key else None
     from qag.identity import claim_params
     plan.claims = claim_params(version.get("parameters"))  # (parameter, claim) bound from a signed-in caller

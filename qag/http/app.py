@@ -108,6 +108,10 @@ class QagApp:
         self.connection_calls = InFlight(cfg.connection_calls)
         self.caller_calls = CallerCalls(segment, slot)  # keys' and roles' max_concurrent
         self.responses = response_cache(cfg, segment)  # saved queries' cached answers (qag/http/data.py)
+        self.response_tier = None  # their second tier across hosts, in Redis (qag/response_tier.py)
+        if self.responses is not None and getattr(cfg, "redis_url", "") and getattr(cfg, "response_cache_redis", 0):
+            from qag.response_tier import RedisTier
+            self.response_tier = RedisTier(cfg.redis_url, self.observer)
         self.behind_plane = bool(getattr(cfg, "public_bind", None)) and str(cfg.bind).startswith("unix:")
         middleware: list = [RequestIdMiddleware(self)]
         if getattr(cfg, "cors_origins", ()):

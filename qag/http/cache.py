@@ -86,6 +86,8 @@ def _evict(app, req, resp, query: str | None) -> None:
     if query is not None and store.get_query(query) is None:
         raise ApiError(404, "query_not_found", f"There is no saved query named '{query}'.")
     n = evict(app.responses, query)
+    if app.response_tier is not None:  # the Redis tier's answers of it, for every host (its eviction epoch + 1)
+        app.response_tier.evict(query)
     # Audit-logged like every administrator's change; its notification evicts on the other hosts too.
     store.run(lambda cur: store.audit(cur, p.name, "evict", ENTITY, query or ALL, None, {"evicted": n}), write=True)
     ok(resp, {"evicted": n, "query": query, "totals": totals(app.responses)})

@@ -92,9 +92,9 @@ class Call:
     """One `/q` call on its way through the stages: what each stage made, and when it ended."""
 
     __slots__ = ("app", "rt", "req", "resp", "name", "t0", "run", "principal", "limits", "opts", "t_auth",
-                 "plan", "connector", "plan_hit", "t_plan", "args", "t_bind", "cache_key", "cache_hash", "fill", "cols",
-                 "rows", "count", "t_exec", "query_seconds", "t_gov", "body", "nrows", "t_render", "status", "held",
-                 "row_limit", "has_more")
+                 "plan", "crow", "tier_key", "connector", "plan_hit", "t_plan", "args", "t_bind", "cache_key",
+                 "cache_hash", "fill", "cols", "rows", "count", "t_exec", "query_seconds", "t_gov", "body", "nrows",
+                 "t_render", "status", "held", "row_limit", "has_more")
 
     def __init__(self, resource: DataResource, req, resp, name: str):
         self.app = resource.app
@@ -105,7 +105,7 @@ class Call:
                                     "key_name": None, "connection": None, "rows": 0, "bytes": 0, "transport": "http",
                                     "error": None}
         self.principal = self.limits = self.plan_hit = self.cache_key = self.query_seconds = None
-        self.held = self.row_limit = self.fill = None
+        self.held = self.row_limit = self.fill = self.tier_key = None
         self.has_more = False
 
 
@@ -164,7 +164,7 @@ def plan(c: Call) -> None:
     """The governed plan (qag/plan.py), from this worker's plan cache when its generations still hold."""
     rt = c.rt
     hits = rt.plan_hits
-    c.plan, _crow, c.connector = rt.plan(c.principal, c.name, c.opts.version, c.opts.connection)
+    c.plan, c.crow, c.connector = rt.plan(c.principal, c.name, c.opts.version, c.opts.connection)
     c.plan_hit = rt.plan_hits > hits
     c.run["version"], c.run["connection"] = c.plan.version, c.plan.connection
     c.t_plan = time.perf_counter()
@@ -389,7 +389,7 @@ def from_cache(c: Call) -> bool:
     token, slot = rc.claim(h, opts.timeout or c.app.cfg.query_timeout)
     if token:
         c.fill = token if token > 0 else None  # -1: the fill slot is another key's; fill without a claim
-        return False
+        return from_tier(c, rc, suffix)
     if rec is not None and time.time_ns() < rec.expires_at_ns + rec.ttl_s * 1_000_000_000:
         return answer(c, rc, rec, "stale")  # the previous answer (expired within a ttl), while another makes it
     polls = 0
@@ -403,7 +403,29 @@ def from_cache(c: Call) -> bool:
             break
     token, _ = rc.claim(h, opts.timeout or c.app.cfg.query_timeout)  # the filler ended without an answer
     c.fill = token if token > 0 else None
-    return False
+    return from_tier(c, rc, suffix)
+
+
+def from_tier(c: Call, rc, suffix: bytes) -> bool:
+    """The filler of a key asks the Redis tier shared by the hosts (qag/response_tier.py) before running the
+    statement: an answer another host made is stored in this host's segment and served as a hit."""
+    tier = c.app.response_tier
+    if tier is None:
+        return False
+    plan = c.plan
+    shared = plan.shared_prefix
+    if shared is None:
+        from qag.response_tier import shared_prefix
+        shared = plan.shared_prefix = shared_prefix(plan, c.crow, plan.response_prefix[-16:], c.rt.mask_key)
+    c.tier_key, v = tier.get(plan.query, shared, suffix)
+    if v is None:
+        return False
+    rows, has_more, ttl_s, etag, created, expires, body = v
+    rc.put(c.cache_key, c.cache_hash, body, rows=rows, has_more=has_more, ttl_s=ttl_s, etag=etag,
+           created_at_ns=created)
+    c.tier_key = None  # it is there already
+    return answer(c, rc, R.Record(body, rows, has_more, f'"{etag.hex()}"', ttl_s, created, expires, 0, -1, False,
+                                  False), "redis")
 
 
 def answer(c: Call, rc, rec, result: str) -> bool:
@@ -424,7 +446,8 @@ def answer(c: Call, rc, rec, result: str) -> bool:
     resp.content_type = FORMATS[opts.format]
     c.status = status = conditional(c.req, resp, rec.body)
     c.run["rows"], c.run["bytes"] = rec.rows, len(rec.body) if status == 200 else 0
-    rc.hit(rec)
+    if rec.way >= 0:  # not an answer from the Redis tier
+        rc.hit(rec)
     if rec.old and not rec.stale:
         rc.refresh(c.cache_key, c.cache_hash, rec)  # R11: a used answer moves out of the arena's older half
     c.app.observer.response_cache(result)
@@ -443,6 +466,8 @@ def store(c: Call, body: bytes, nrows: int) -> None:
         stored = c.app.responses.put(c.cache_key, c.cache_hash, body, rows=nrows, has_more=c.has_more,
                                      ttl_s=ttl, etag=etag)
         c.app.observer.response_cache("miss" if stored else "rejected")
+        if stored and c.tier_key is not None:  # the Redis tier, for the other hosts
+            c.app.response_tier.put(c.tier_key, nrows, c.has_more, ttl, etag, time.time_ns(), body)
 
 
 # -- ?stream=true ----------------------------------------------------------------------------------------------

@@ -172,6 +172,27 @@ def test_grant_changes_and_a_delete_on_a_reach_b_cached_answers(hosts):
     assert gone.status_code == 404 and gone.json()["code"] == "query_not_found", gone.text
 
 
+def test_an_answer_made_on_a_is_a_hit_on_b_through_redis(hosts):
+    """The response cache's second tier (qag/response_tier.py): B misses its own segment, finds A's answer in Redis
+    (keyed by store-stable identifiers, not by either host's generations), stores it and answers a hit; a new
+    version published on A is a miss on B."""
+    a, b = hosts["a"], hosts["b"]
+    _post(a, "/api/v1/queries", {"name": "tiered", "connection_name": "d", "sql": "SELECT n FROM t", "cache_ttl": 600,
+                                 "publish": True})
+    _, secret = _key(hosts, ["plain", "tiered"])   # B knows the key (through "plain") before "tiered" is called
+    time.sleep(NOTIFY_S)  # both hosts' watchers have applied the query's creation (no catch-up bump to come)
+    made = requests.get(a.base + "/q/tiered", headers={"X-API-Key": secret}, timeout=10)
+    assert made.status_code == 200 and made.headers["X-Cache"] == "miss", made.text
+    got = requests.get(b.base + "/q/tiered", headers={"X-API-Key": secret}, timeout=10)
+    assert got.status_code == 200 and got.headers["X-Cache"] == "hit", "B did not find A's answer in Redis"
+    assert got.headers["ETag"] == made.headers["ETag"] and got.json() == made.json()
+    metrics = requests.get(b.base + "/metrics", timeout=10).text
+    assert 'qag_response_cache_total{result="redis"}' in metrics
+    _post(a, "/api/v1/queries/tiered/versions", {"sql": "SELECT n + 5 AS n FROM t", "publish": True})
+    _, new = _until(b, "/q/tiered", secret, lambda r: r.json() != [{"n": 1}], NOTIFY_S)
+    assert new.json() == [{"n": 6}] and new.headers["X-Cache"] == "miss"
+
+
 def test_an_eviction_on_a_evicts_b_cached_answers(hosts):
     """DELETE /api/v1/cache/{query} made on A (the host a load balancer happened to pick) reaches B through the
     audit row's notification: B's change watcher evicts the same query's answers from B's segment, and only them."""
