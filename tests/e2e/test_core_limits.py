@@ -46,28 +46,34 @@ def hosts(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("limits"))
     port = free_port()
     rds = _redis(port, tmp)
-    store = pg_fresh_db("qag_core_limits_store")
-    data = os.path.join(tmp, "d.db")
-    db = sqlite3.connect(data)
-    db.executescript("CREATE TABLE t (id INTEGER); INSERT INTO t VALUES (1), (2);")
-    db.commit()
-    db.close()
-    env = {"QAG_DATABASE_URL": store, "QAG_REDIS_URL": f"redis://127.0.0.1:{port}/0", "QAG_ADMIN_KEY": "adm-limits"}
-    a = start_server(env, args=("--workers", "2"))
-    b = start_server(env, args=("--workers", "1"))
-    adm = {"X-API-Key": "adm-limits"}
-    assert requests.post(a.base + "/api/v1/connections", json={"name": "d", "db": "sqlite", "database": data},
-                         headers=adm, timeout=10).status_code == 201
-    r = requests.post(a.base + "/api/v1/queries", json={"name": "two", "connection_name": "d", "publish": True,
-                                                         "sql": "SELECT id FROM t"}, headers=adm, timeout=10)
-    assert r.status_code == 201, r.text
-    h = {"a": a, "b": b, "adm": adm, "redis": rds, "redis_port": port, "tmp": tmp, "env": env}
-    yield h
-    a.stop()
-    b.stop()
-    for p in {rds, h["redis"]}:   # the test that kills Redis starts a new one in its place
-        p.kill()
-        p.wait(5)
+    h = {"redis": rds}
+    a = b = None
+    try:   # a set-up that fails (the store at its connection limit) must not leave the private Redis running
+        store = pg_fresh_db("qag_core_limits_store")
+        data = os.path.join(tmp, "d.db")
+        db = sqlite3.connect(data)
+        db.executescript("CREATE TABLE t (id INTEGER); INSERT INTO t VALUES (1), (2);")
+        db.commit()
+        db.close()
+        env = {"QAG_DATABASE_URL": store, "QAG_REDIS_URL": f"redis://127.0.0.1:{port}/0",
+               "QAG_ADMIN_KEY": "adm-limits"}
+        a = start_server(env, args=("--workers", "2"))
+        b = start_server(env, args=("--workers", "1"))
+        adm = {"X-API-Key": "adm-limits"}
+        assert requests.post(a.base + "/api/v1/connections", json={"name": "d", "db": "sqlite", "database": data},
+                             headers=adm, timeout=10).status_code == 201
+        r = requests.post(a.base + "/api/v1/queries", json={"name": "two", "connection_name": "d", "publish": True,
+                                                             "sql": "SELECT id FROM t"}, headers=adm, timeout=10)
+        assert r.status_code == 201, r.text
+        h.update({"a": a, "b": b, "adm": adm, "redis_port": port, "tmp": tmp, "env": env})
+        yield h
+    finally:
+        for srv in (a, b):
+            if srv is not None:
+                srv.stop()
+        for p in {rds, h["redis"]}:   # the test that kills Redis starts a new one in its place
+            p.kill()
+            p.wait(5)
 
 
 def make_key(h, name=None, **grants) -> str:

@@ -54,10 +54,12 @@ def private(tmp_path):
                           "no", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"
     r = redis.Redis.from_url(url, socket_timeout=0.2)
-    _ready(r)
-    yield r, "qag:", url
-    p.kill()
-    p.wait(5)
+    try:
+        _ready(r)
+        yield r, "qag:", url
+    finally:
+        p.kill()
+        p.wait(5)
 
 
 def _ready(r):
