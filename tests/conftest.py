@@ -45,6 +45,21 @@ def orders_db(path: str) -> str:
     return path
 
 
+def shm_name(prefix: str):
+    """A fresh segment name for a test (yield from it in a fixture); its memory and semaphores go after."""
+    import uuid
+
+    import posix_ipc
+    n = f"/{prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    yield n
+    for unlink in (lambda: posix_ipc.unlink_shared_memory(n), lambda: posix_ipc.unlink_semaphore(n + "-w"),
+                   lambda: posix_ipc.unlink_semaphore(n + "-r")):
+        try:
+            unlink()
+        except posix_ipc.ExistentialError:
+            pass
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -10,13 +10,12 @@ import random
 import signal
 import struct
 import time
-import uuid
 
-import posix_ipc
 import pytest
 
 from shm import Segment
 from shm import responses as R
+from tests.conftest import shm_name
 
 FORK = mp.get_context("fork")
 SIZE = 2 * 1024 * 1024
@@ -27,14 +26,7 @@ DURATION = float(os.environ.get("QAG_SHM_STRESS_SECONDS", "4"))
 
 @pytest.fixture()
 def name():
-    n = f"/qag-test-resp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    yield n
-    for unlink in (lambda: posix_ipc.unlink_shared_memory(n), lambda: posix_ipc.unlink_semaphore(n + "-w"),
-                   lambda: posix_ipc.unlink_semaphore(n + "-r")):
-        try:
-            unlink()
-        except posix_ipc.ExistentialError:
-            pass
+    yield from shm_name("qag-test-resp")
 
 
 def body_for(key: bytes, writer: int, seq: int, n: int) -> bytes:

@@ -18,6 +18,7 @@ import pytest
 
 import shm
 from shm import LayoutError, Segment
+from tests.conftest import shm_name
 
 ROOT = Path(__file__).resolve().parents[2]
 FORK = mp.get_context("fork")
@@ -26,14 +27,7 @@ SIZE = 2 * 1024 * 1024
 
 @pytest.fixture()
 def name():
-    n = f"/qag-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    yield n
-    for unlink in (lambda: posix_ipc.unlink_shared_memory(n), lambda: posix_ipc.unlink_semaphore(n + "-w"),
-                   lambda: posix_ipc.unlink_semaphore(n + "-r")):
-        try:
-            unlink()
-        except posix_ipc.ExistentialError:
-            pass
+    yield from shm_name("qag-test")
 
 
 def _run(target, *args, timeout=30):

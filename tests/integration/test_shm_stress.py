@@ -9,12 +9,12 @@ import random
 import signal
 import struct
 import time
-import uuid
 
 import posix_ipc
 import pytest
 
 from shm import Segment
+from tests.conftest import shm_name
 
 FORK = mp.get_context("fork")
 SIZE = 2 * 1024 * 1024  # ~400 cache slots: 1500 keys force evictions and slot reuse
@@ -25,14 +25,7 @@ DURATION = float(os.environ.get("QAG_SHM_STRESS_SECONDS", "5"))
 
 @pytest.fixture()
 def name():
-    n = f"/qag-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    yield n
-    for unlink in (lambda: posix_ipc.unlink_shared_memory(n), lambda: posix_ipc.unlink_semaphore(n + "-w"),
-                   lambda: posix_ipc.unlink_semaphore(n + "-r")):
-        try:
-            unlink()
-        except posix_ipc.ExistentialError:
-            pass
+    yield from shm_name("qag-test")
 
 
 def make_value(key: bytes, writer: int, seq: int, rnd: random.Random, max_len: int) -> bytes:
