@@ -49,6 +49,7 @@ class CacheList:
 
     def on_get(self, req, resp):
         require_admin(self.app, req)
+        _known(req, {"query", "limit"})
         query = req.get_param("query") or None
         raw = req.get_param("limit")
         try:
@@ -69,7 +70,20 @@ class CacheList:
         ok(resp, {"items": items[:limit], "totals": totals(rc), "next_cursor": None}, no_store=True)
 
     def on_delete(self, req, resp):
-        _evict(self.app, req, resp, req.get_param("query") or None)
+        require_admin(self.app, req)
+        _known(req, {"query"})
+        query = req.get_param("query")
+        if query is not None and not query.strip():
+            # `?query=$NAME` with an empty NAME must not evict every query's answers: that is the route without it
+            raise ApiError(400, "invalid_body", "query must name a saved query; DELETE /api/v1/cache without query "
+                           "evicts every answer.", {"errors": {"query": "must not be empty"}})
+        _evict(self.app, req, resp, query)
+
+
+def _known(req, names: set[str]) -> None:
+    unknown = set(req.params) - names
+    if unknown:
+        raise ApiError(400, "unknown_field", f"Unknown filter(s) {', '.join(sorted(unknown))}.")
 
 
 class CacheQuery:
@@ -77,6 +91,8 @@ class CacheQuery:
         self.app = app
 
     def on_delete(self, req, resp, name):
+        require_admin(self.app, req)
+        _known(req, set())
         _evict(self.app, req, resp, name)
 
 

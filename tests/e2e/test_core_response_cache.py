@@ -197,6 +197,13 @@ def test_admin_routes_list_and_evict(srv):
     assert r.status_code == 200 and r.json()["evicted"] >= 3, r.text
     assert fresh_get(srv, "/q/person?id=1", k).headers["X-Cache"] == "miss"
     assert fresh_get(srv, "/q/everyone?page_size=2", k).headers["X-Cache"] == "hit"  # another query's stayed
+    for path, code in (("/api/v1/cache?query=", "invalid_body"), ("/api/v1/cache?qeury=person", "unknown_field"),
+                       ("/api/v1/cache/everyone?all=1", "unknown_field")):  # refused: nothing evicted
+        r = requests.delete(srv.base + path, headers=srv.admin, timeout=30)
+        assert r.status_code == 400 and r.json()["code"] == code, (path, r.text)
+    r = requests.get(srv.base + "/api/v1/cache?qeury=person", headers=srv.admin, timeout=30)
+    assert r.status_code == 400 and r.json()["code"] == "unknown_field", r.text
+    assert fresh_get(srv, "/q/everyone?page_size=2", k).headers["X-Cache"] == "hit"
     r = requests.delete(srv.base + "/api/v1/cache", headers=srv.admin, timeout=30)
     assert r.status_code == 200 and r.json()["evicted"] >= 2 and r.json()["totals"]["entries"] == 0
     assert fresh_get(srv, "/q/everyone?page_size=2", k).headers["X-Cache"] == "miss"
