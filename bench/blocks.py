@@ -12,11 +12,13 @@ import uuid
 import harness as H
 import targets as T
 
-BLOCKS = ('dbonly', 'throughput', 'latency', 'governance', 'rows', 'writes', 'cache', 'openloop', 'forward',
+BLOCKS = ('dbonly', 'throughput', 'latency', 'governance', 'rows', 'writes', 'cache', 'keys', 'openloop', 'forward',
           'workers', 'threads', 'recording', 'roundtrips', 'profile')
 ROWS_LIST, ROWS_FORMATS = (1, 10, 100, 1000), ('json', 'ndjson', 'csv')
 # the smoke run's rows cells: each format's per-row path (the other blocks' calls are one row or a hundred)
 SMOKE_ROWS = ((1000, 'json'), (1000, 'ndjson'), (1000, 'csv'))
+# the keys block: distinct API keys and distinct saved queries the lookup's calls are spread over (smoke: small)
+KEYS_LIST, QUERIES_LIST, SMOKE_KEYS = (1, 1000, 10000), (1, 1000), (1, 100)
 OPEN_FRACTIONS = (0.25, 0.50, 0.75, 0.90, 1.00, 1.10)
 
 
@@ -49,6 +51,12 @@ def parse_args(description, default_out, extra=None, db_floor='floor_pg'):
                                                        '(default: qag\'s own default only), e.g. 4,8,16')
     p.add_argument('--rows-list', default=','.join(map(str, ROWS_LIST)), help='rows per call in the rows block')
     p.add_argument('--rows-formats', default=','.join(ROWS_FORMATS), help='formats in the rows block')
+    p.add_argument('--keys-list', default=','.join(map(str, KEYS_LIST)), help='distinct keys in the keys block')
+    p.add_argument('--queries-list', default=','.join(map(str, QUERIES_LIST)),
+                   help='distinct saved queries in the keys block')
+    p.add_argument('--keys-peer-max', type=int, default=1000,
+                   help='the most keys/queries created on the reference (its Management API is slow); '
+                        'its bigger cells are skipped and the report says so')
     p.add_argument('--roundtrip-rounds', type=int, default=1,
                    help='rounds of the roundtrips block (counts, not timings)')
     p.add_argument('--settle', type=float, default=11.0,
@@ -77,6 +85,7 @@ def parse_args(description, default_out, extra=None, db_floor='floor_pg'):
     if opts.smoke:
         opts.rows_cells = list(SMOKE_ROWS)
         opts.writes_callers = '1,32'
+        opts.keys_list = opts.queries_list = ','.join(map(str, SMOKE_KEYS))
     opts.open_rounds = opts.open_rounds or opts.rounds
     opts.open_fractions = tuple(float(f) for f in opts.open_fractions.split(',') if f.strip()) or OPEN_FRACTIONS
     for b in opts.blocks:
@@ -94,10 +103,13 @@ class Bench:
     """One session of one harness: targets, the results file, the floors around each block."""
 
     def __init__(self, opts, harness_name, workload, calls, db_comms, roundtrip_counter=None, dbonly=None,
-                 rows_call=None, cache_calls=None):
+                 rows_call=None, cache_calls=None, keys_spec=None):
         self.opts, self.workload, self.calls = opts, workload, calls
         self.rows_call = rows_call  # (rows, format) -> Call: the rows block's calls; None: the harness has none
         self.cache_calls = cache_calls  # (uncached Call, cached Call): the cache block's pair; None: none
+        # the keys block: {'call': the lookup Call, 'path': its path with {id}, 'id_range': (lo, hi), 'query':
+        # the saved query (dict) to copy under Q names}; None: the harness has none
+        self.keys_spec = keys_spec
         self.db_comms = db_comms
         self.roundtrip_counter = roundtrip_counter
         self.dbonly = dbonly
@@ -160,20 +172,26 @@ class Bench:
                 pass
         self._db_affinity = None
 
-    def measured(self, target, call, *, conns, duration, rate=None, warm=True):
-        """One run against a started target: warm-up, then oha with CPU snapshots around it."""
+    def measured(self, target, call, *, conns, duration, rate=None, warm=True, spread=None):
+        """One run against a started target: warm-up, then oha with CPU snapshots around it. `spread` (paths,
+        keys, id_range): each call's path and key drawn from those lists by bench/keysload.py instead of oha."""
         url = H.regex_escape_base(target.base) + target.path(call)
         headers = target.headers(call)
         self.prime(target, call, url, headers)
+
+        def load(secs, n, rate=None):
+            if spread:
+                return H.run_keys(target.port, spread[0], spread[1], duration=secs, conns=n, id_range=spread[2],
+                                  load_cpus=self.opts.load_cpus)
+            return H.run_oha(self.oha, url, duration=secs, conns=n, headers=headers, rate=rate,
+                             load_cpus=self.opts.load_cpus, method=call.method)
         if warm and self.opts.warmup > 0:
-            H.run_oha(self.oha, url, duration=self.opts.warmup, conns=min(8, conns), headers=headers,
-                      load_cpus=self.opts.load_cpus, method=call.method)
+            load(self.opts.warmup, min(8, conns))
         s0 = H.all_stats()
         b0 = H.system_busy()
         gw0, db0 = target.ticks(s0), H.comm_ticks(self.db_comms, s0)
         w0 = {pid: H.runq_wait_ns(pid) for pid in list(gw0) + list(db0)}
-        r = H.run_oha(self.oha, url, duration=duration, conns=conns, headers=headers, rate=rate,
-                      load_cpus=self.opts.load_cpus, method=call.method)
+        r = load(duration, conns, rate)
         s1 = H.all_stats()
         b1 = H.system_busy()
         gw1, db1 = target.ticks(s1), H.comm_ticks(self.db_comms, s1)
@@ -266,6 +284,8 @@ class Bench:
                     continue
                 if block == 'cache' and self.cache_calls is None:
                     continue
+                if block == 'keys' and self.keys_spec is None:
+                    continue
                 self.health_floor(block, 'before')
                 t0 = time.time()
                 try:
@@ -353,6 +373,89 @@ class Bench:
                 said += 1
                 hits += x == 'hit'
         return round(hits / said, 3) if said else None
+
+    def block_keys(self):
+        """The lookup (plain key) spread over K distinct API keys (--keys-list 1,1000,10000) and, separately, over
+        Q distinct saved queries (--queries-list 1,1000: the lookup's SQL under Q names, all granted to one key):
+        one worker, --callers, every gateway, each call's key or query drawn at random by bench/keysload.py (oha
+        sends one header per run). The keys and queries are made through each gateway's own Management API, once,
+        the first time a count needs them (the reference up to --keys-peer-max). The floor has no keys: its plain
+        lookup runs beside the K=1 and Q=1 cells as the reference point, through the same load generator."""
+        spec = self.keys_spec
+        call = spec['call']
+        gateways = self.supporting(call, kinds=('gateway',))
+        floors = [t for t in self.supporting(call, kinds=('floor',)) if t.name != 'floor_hello']
+        series = [('keys', [int(x) for x in self.opts.keys_list.split(',') if x.strip()]),
+                  ('queries', [int(x) for x in self.opts.queries_list.split(',') if x.strip()])]
+        for kind, counts in series:
+            for i, n in enumerate(counts):
+                tgts = [t for t in gateways if not (t.name.startswith('peer') and n > self.opts.keys_peer_max)]
+                skipped = [t.name for t in gateways if t not in tgts]
+                if skipped:
+                    H.progress(f'[keys] {kind}={n}: skipped on {", ".join(skipped)} (over --keys-peer-max '
+                               f'{self.opts.keys_peer_max})')
+                tgts += floors if i == 0 else []
+                for rnd in range(self.opts.rounds):
+                    for t in H.rotated(tgts, self.rotation):
+                        try:
+                            self.start(t, workers=1)
+                            paths, keys = self._spread(t, kind, n)
+                            self._sweep(t, kind, n, paths, keys)
+                            r = self.measured(t, call, conns=self.opts.callers, duration=self.opts.duration,
+                                              spread=(paths, keys, spec['id_range']))
+                            self.record('keys', t, call, rnd, r, conns=self.opts.callers, spread=kind,
+                                        distinct=n if t.kind == 'gateway' else None)
+                        except Exception as exc:  # noqa: BLE001
+                            self.fail('keys', f'{t.name} {kind}={n}', exc)
+                    self.rotation += 1
+
+    def _sweep(self, t, kind, n, paths, keys):
+        """Before a running target's first measured run at a count, every key (or query) called once, so the
+        runs measure a gateway that has met them all (a first call may verify a secret, read the store, plan)."""
+        mark = (t.name, t.proc.pid, kind, n)
+        if mark in self._primed or len(paths) * len(keys) <= 1:
+            return
+        t0 = time.time()
+        r = H.run_keys(t.port, paths, keys, duration=600, conns=8, id_range=self.keys_spec['id_range'],
+                       load_cpus=self.opts.load_cpus, sweep=True)
+        if r['non_2xx'] or r['errors']:
+            raise RuntimeError(f'sweep over {kind}={n}: {r["codes"]} {r["error_kinds"]}')
+        self._primed.add(mark)
+        H.progress(f'[keys] {t.name}: each of {kind}={n} called once ({r["n"]} calls, {time.time() - t0:.1f}s)')
+
+    def _spread(self, t, kind, n):
+        """(paths, secrets) for `n` distinct keys or queries on target t, creating what it lacks (8 at a time)."""
+        from concurrent.futures import ThreadPoolExecutor
+        spec = self.keys_spec
+        path = spec['path']
+        if t.kind != 'gateway':
+            return [path], ['']
+        made = t.__dict__.setdefault('spread_made', {'keys': [], 'queries': 0, 'qkeys': {}})
+        t0 = time.time()
+        with ThreadPoolExecutor(8) as pool:
+            if kind == 'keys':
+                grants = {'queries': [spec['query']['name']], 'connections': []}
+                new = list(pool.map(lambda i: t.api('POST', '/api/v1/api-keys', {'name': f'kk{i}', **grants})['secret'],
+                                    range(len(made['keys']), n)))
+                made['keys'] += new
+                what = f'{len(new)} keys'
+            else:
+                start = made['queries']
+                list(pool.map(lambda i: t.api('POST', '/api/v1/queries', {**spec['query'], 'name': f'kq{i}'}),
+                              range(start, n)))
+                made['queries'] = max(start, n)
+                if n not in made['qkeys']:
+                    body = t.api('POST', '/api/v1/api-keys', {'name': f'kq_key{n}', 'connections': [],
+                                                              'queries': [f'kq{i}' for i in range(n)]})
+                    made['qkeys'][n] = body['secret']
+                what = f'{max(n - start, 0)} queries'
+        if time.time() - t0 > 0.5:
+            H.progress(f'[keys] {t.name}: made {what} in {time.time() - t0:.1f}s')
+        if kind == 'keys':
+            return [path], made['keys'][:n]
+        base, _, query = path.partition('?')
+        prefix = base.rsplit('/', 1)[0]
+        return [f'{prefix}/kq{i}?{query}' for i in range(n)], [made['qkeys'][n]]
 
     def block_writes(self):
         """Writes at --writes-callers (1, 8, 32): one worker; a write waits on its commit, so calls/s at many
@@ -639,6 +742,7 @@ class Bench:
             if block in ('dbonly',) or (block == 'roundtrips' and not self.roundtrip_counter) \
                     or (block == 'rows' and self.rows_call is None) \
                     or (block == 'cache' and self.cache_calls is None) \
+                    or (block == 'keys' and self.keys_spec is None) \
                     or (block == 'writes' and not any(c.name.startswith(('deposit', 'write')) for c in self.calls)) \
                     or (block == 'forward' and not any(getattr(t, 'plane', False) for t in self.targets)):
                 continue

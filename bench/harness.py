@@ -215,6 +215,28 @@ def run_oha(oha, url_regex, *, duration, conns, headers=None, rate=None, load_cp
     for k, v in (headers or {}).items():
         cmd += ['-H', f'{k}: {v}']
     cmd.append(url_regex)
+    return _load_run(cmd, duration, 'oha')
+
+
+def run_keys(port, paths, keys, *, duration, conns, id_range, load_cpus=None, sweep=False):
+    """One closed-loop run of bench/keysload.py: each call's X-API-Key drawn from `keys` and its path from
+    `paths` (`{id}` replaced by an id in `id_range`), which oha (one header per run) cannot do. Same result
+    shape as run_oha, the load generator's CPU included. `sweep`: each key and path once, then stop."""
+    with tempfile.NamedTemporaryFile('w', suffix='.keys') as kf, \
+            tempfile.NamedTemporaryFile('w', suffix='.paths') as pf:
+        kf.write('\n'.join(keys) + '\n')
+        pf.write('\n'.join(paths) + '\n')
+        kf.flush()
+        pf.flush()
+        cmd = taskset_prefix(load_cpus) + [
+            sys.executable, os.path.join(BENCH_DIR, 'keysload.py'), '--port', str(port), '--conns', str(conns),
+            '--duration', str(duration), '--keys', kf.name, '--paths', pf.name,
+            '--id-lo', str(id_range[0]), '--id-hi', str(id_range[1])] + (['--sweep'] if sweep else [])
+        return _load_run(cmd, duration, 'keysload')
+
+
+def _load_run(cmd, duration, what):
+    """Run a load generator that prints oha's JSON summary; wait4 gives its own CPU."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         start = time.time()
         proc = subprocess.Popen(cmd, stdout=out, stderr=err)
@@ -225,7 +247,7 @@ def run_oha(oha, url_regex, *, duration, conns, headers=None, rate=None, load_cp
         err.seek(0)
         raw, errtext = out.read().decode(), err.read().decode()
     if proc.returncode != 0:
-        raise RuntimeError(f'oha failed ({proc.returncode}): {errtext.strip()[:500]}')
+        raise RuntimeError(f'{what} failed ({proc.returncode}): {errtext.strip()[:500]}')
     data = json.loads(raw)
     summ = data.get('summary', {})
     codes = {str(k): int(v) for k, v in (data.get('statusCodeDistribution') or {}).items()}

@@ -116,7 +116,11 @@ def workload(scale):
                    T.Call('cache_hit', 'account_cached', 'plain', rf'/q/account_cached\?aid={hot}'))
     cache_calls[0].samples = [f'/q/account?aid={100000 + i}' for i in range(0, 100, 5)]
     cache_calls[1].samples = [f'/q/account_cached?aid={100000 + i}' for i in range(0, 100, 5)]
-    return w, calls, rows_call, cache_calls
+    # the keys block: the lookup with the plain key's grants, spread over K keys or the same SQL under Q names
+    keys_spec = {'call': calls[1], 'path': '/q/account?aid={id}', 'id_range': (10 ** (len(str(accounts)) - 2),
+                                                                              10 ** (len(str(accounts)) - 1) - 1),
+                 'query': queries[0]}
+    return w, calls, rows_call, cache_calls, keys_spec
 
 
 def pg_xacts(db):
@@ -160,9 +164,9 @@ def main():
         p.add_argument('--scale', type=int, default=10, help='pgbench scale (10 default; seeds use 100)')
     opts = B.parse_args(__doc__.splitlines()[0], os.path.join(H.BENCH_DIR, 'out', 'oltp', 'results.jsonl'), extra)
     ensure_data(opts.scale)
-    w, calls, rows_call, cache_calls = workload(opts.scale)
+    w, calls, rows_call, cache_calls, keys_spec = workload(opts.scale)
     bench = B.Bench(opts, 'oltp', w, calls, db_comms={'postgres'}, roundtrip_counter=roundtrip_counter,
-                    dbonly=dbonly, rows_call=rows_call, cache_calls=cache_calls)
+                    dbonly=dbonly, rows_call=rows_call, cache_calls=cache_calls, keys_spec=keys_spec)
     bench.results.common['scale'] = opts.scale
     sys.exit(bench.run())
 

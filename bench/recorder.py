@@ -202,7 +202,7 @@ def ab_worker_cost(rounds: int, duration: float, conns: int = 32) -> dict:
     oha = H.find_oha()
     scale = _oltp_scale(oltp) or 10
     oltp.ensure_data(scale)  # the lead's data as it is (never re-initialised to another scale here)
-    wl, calls, _rows_call, _cache_calls = oltp.workload(scale)
+    wl, calls, _rows_call, _cache_calls, _keys_spec = oltp.workload(scale)
     call = next(c for c in calls if c.name == "lookup_plain")
     opts_a = types.SimpleNamespace(gateway_cpus=[0], qag_src=None, store_suffix="_recorder_ab")
     opts_b = types.SimpleNamespace(gateway_cpus=[0], qag_src=None, store_suffix="_recorder_ab_off")

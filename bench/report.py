@@ -16,8 +16,8 @@ LABEL = {'peer': 'QueryAPIGate 0.43', 'peer_cache': 'QueryAPIGate 0.43 + cache',
          'qag_plane': 'qag + plane',
          'floor_pg': 'Falcon+psycopg2 floor', 'floor_mysql': 'Falcon+mysql-connector floor',
          'floor_hello': 'Falcon hello floor', 'postgres': 'PostgreSQL'}
-BLOCK_ORDER = ['dbonly', 'throughput', 'latency', 'governance', 'rows', 'writes', 'cache', 'capacity', 'openloop',
-               'forward',
+BLOCK_ORDER = ['dbonly', 'throughput', 'latency', 'governance', 'rows', 'writes', 'cache', 'keys', 'capacity',
+               'openloop', 'forward',
                'workers', 'threads', 'recording', 'roundtrips']
 
 
@@ -584,6 +584,50 @@ class Report:
                       'uncached: gateway CPU µs per call', 'hit: gateway CPU µs per call', 'hit ÷ uncached (per core)',
                       'hit calls/s', 'hit share'], out))
 
+    def keys(self, rows):
+        """The keys block: gateway CPU µs per call of the lookup spread over K keys / Q saved queries, each count
+        against the target's own K=1 / Q=1 and against the reference at the same count; the floor beside."""
+        if not rows:
+            return
+        self.w('### Distinct keys and queries\n')
+        self.w('One worker, 32 callers, the lookup (`account`, plain grants) with each call\'s API key drawn from K '
+               'distinct keys, or its saved query from Q distinct names of the same SQL (all granted to one key), by '
+               '`bench/keysload.py` (oha sends one header per run); every key or query was called once before the '
+               'first measured run. Cells: gateway CPU µs per call, median (min-max) over rounds; "x K=1" is the '
+               'median over the same target\'s at K=1 (Q=1); "ref ÷ it" is QueryAPIGate 0.43 + cache\'s µs over '
+               'qag\'s at the same count. The floor has no keys: its plain lookup, through the same load '
+               'generator, stands in the first column. A dash: not measured (the reference\'s keys and queries '
+               'are made through its Management API, capped by `--keys-peer-max`).\n')
+        us = lambda rs: med([r.get('gw_cpu_us_per_call') for r in rs])  # noqa: E731
+        by = group(rows, 'spread', 'distinct', 'target')
+        out = []
+        for kind in dict.fromkeys(r['spread'] for r in rows):
+            counts = sorted({r['distinct'] for r in rows if r['spread'] == kind and r.get('distinct') is not None})
+            for t in order_targets(r['target'] for r in rows if r['spread'] == kind):
+                line = ['K keys' if kind == 'keys' else 'Q queries', LABEL.get(t, t)]
+                base = by.get((kind, counts[0], t), []) if counts else []
+                for i, n in enumerate(counts):
+                    rs = by.get((kind, n, t), []) or (by.get((kind, None, t), []) if i == 0 else [])
+                    if not rs:
+                        line.append('-')
+                        continue
+                    c = cell([r.get('gw_cpu_us_per_call') for r in rs])
+                    if i and base and us(base):
+                        c += f', x{us(rs) / us(base):.2f} of {counts[0]}'
+                    ref = by.get((kind, n, 'peer_cache'), []) if t.startswith('qag') else []
+                    if ref and us(rs):
+                        c += f', ref ÷ it {us(ref) / us(rs):.1f}x'
+                    line.append(c)
+                out.append(line)
+            self.w(table(['spread', 'target'] + [f'{n:,}' for n in counts], out))
+            out = []
+        shares = [f'{LABEL.get(t, t)} {num(med([r.get("gw_cores") for r in rs]), 2)}'
+                  for (t,), rs in sorted(group(rows, 'target').items(), key=lambda kv: order_targets([kv[0][0]]))]
+        self.w('Gateway CPU share (cores busy, of the one it has), median over the block: ' + ', '.join(shares) +
+               '. On a shared machine the share is also what other users left; one well under the others\' (the '
+               'plane\'s) means the load generator set the pace, and its µs per call is taken at that lighter '
+               'load.\n')
+
     # ---------------------------------------------------------------- whole page
     def build(self):
         self.header()
@@ -611,6 +655,7 @@ class Report:
             self.rows_per_call(b('rows'), harness)
             self.writes(b('writes'))
             self.cache(b('cache'))
+            self.keys(b('keys'))
             self.openloop(b('openloop'), harness)
             self.forward(b('forward'))
             self.scaling(b('workers'), 'workers', 'Workers (one per gateway CPU, pinned)',
