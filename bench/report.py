@@ -624,8 +624,8 @@ class Report:
         shares = [f'{LABEL.get(t, t)} {num(med([r.get("gw_cores") for r in rs]), 2)}'
                   for (t,), rs in sorted(group(rows, 'target').items(), key=lambda kv: order_targets([kv[0][0]]))]
         self.w('Gateway CPU share (cores busy, of the one it has), median over the block: ' + ', '.join(shares) +
-               '. On a shared machine the share is also what other users left; one well under the others\' (the '
-               'plane\'s) means the load generator set the pace, and its µs per call is taken at that lighter '
+               '. On a shared machine the share is also what other users left; one well under the others\' '
+               'means the load generator set the pace, and its µs per call is taken at that lighter '
                'load.\n')
 
     # ---------------------------------------------------------------- whole page
