@@ -17,7 +17,7 @@ import time
 from qag import timeutil
 from qag.errors import ApiError
 from qag.limits import Limiter, period_bounds
-from qag.runtime import CachedAdminToken, CachedKey
+from qag.runtime import REPUBLISH_CHECK_S, CachedAdminToken, CachedKey
 from qag.store import CALLER_LIMIT_FIELDS, hash_secret
 
 UNAUTHORIZED = "Give a valid, active API key in the X-API-Key header."
@@ -70,6 +70,8 @@ class Auth:
                     if gens.global_gen() == cached.gen:
                         return Principal(True, cached.name, None)
                 elif gens.gen("key", cached.name) == cached.gen:
+                    if rt.publisher is not None and time.monotonic() >= cached.check_at:
+                        self._republish_key(h, cached)
                     return self._check_key(cached.row, cached.via_prev, client_ip, cached.gen)
             elif rt.unknown_secrets.get(h) == gens.global_gen():
                 raise ApiError(401, "unauthorized", UNAUTHORIZED)
@@ -97,6 +99,15 @@ class Auth:
             if rt.publisher is not None and not python_only(row["grants"]):
                 rt.publisher.key(h, row, via_prev, gen)
         return self._check_key(row, via_prev, client_ip, gen)
+
+    def _republish_key(self, h: str, cached) -> None:
+        """The key entry a cold call published can be evicted from the segment by others while this worker still
+        holds the key: the plane would forward its calls here for ever. At most once a REPUBLISH_CHECK_S, a warm
+        call looks (one lock-free read) and puts it back."""
+        rt = self.runtime
+        cached.check_at = time.monotonic() + REPUBLISH_CHECK_S
+        if not python_only(cached.row["grants"]) and not rt.publisher.has_key(h):
+            rt.publisher.key(h, cached.row, cached.via_prev, cached.gen)
 
     def _check_key(self, row: dict, via_prev: bool, client_ip: str | None, gen: int) -> Principal:
         if not row["active"]:

@@ -168,6 +168,15 @@ class Publisher:
     def key(self, key_hash: str, row: dict, via_prev: bool, gen: int) -> None:
         self.seg.cache_put(key_cache_key(key_hash), _pack(key_entry(row, via_prev, gen)))
 
+    def has_key(self, key_hash: str) -> bool:
+        return self.seg.cache_get(key_cache_key(key_hash)) is not None
+
+    def has_connection(self, name: str) -> bool:
+        return self.seg.cache_get(connection_cache_key(name)) is not None
+
+    def has_plan(self, plan) -> bool:
+        return plan.key_name is None or self.seg.cache_get(plan_cache_key(plan.key_name, plan.query)) is not None
+
     def plan(self, plan, sql_text: str, published_version: int | None) -> None:
         """Publish the plan of a key's call. `published_version`: the query's published version when the plan
         was built; a plan of any other version (a draft, an older one: `?version=N`) is not published (E3)."""

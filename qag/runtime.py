@@ -42,6 +42,10 @@ class LocalGenerations:
         return self._global
 
 
+# A warm key or plan looks at most this often that the segment still holds its entry (evicted: put back).
+REPUBLISH_CHECK_S = 1.0
+
+
 @dataclass(slots=True)
 class CachedKey:
     """An API key found by its secret's hash: valid while the key's generation is `gen`; `via_prev`: the secret is
@@ -50,6 +54,7 @@ class CachedKey:
     gen: int
     row: dict
     via_prev: bool
+    check_at: float = 0.0  # when to look again that the segment still holds its key entry (qag/auth.py)
     admin: ClassVar[bool] = False
 
 
@@ -110,6 +115,7 @@ class CachedConnection:
     gen: int
     row: dict | None
     connector: Any
+    check_at: float = 0.0  # when to look again that the segment still holds its connection entry
 
 
 @dataclass(slots=True)
@@ -165,6 +171,7 @@ class Runtime:
         self.plan_hits = 0
         self.plan_misses = 0
         self.publisher = None  # qag.entries.Publisher when a segment is attached
+        self.plan_checks: dict = {}  # plan key -> when to look again that the segment holds its entry
 
     # -- changes -------------------------------------------------------------------------------
     def changed(self, kind: str, ident: str) -> None:
@@ -218,6 +225,11 @@ class Runtime:
         g = gens.gen("connection", name) if gens is not None else 0
         cached = self.connections.get(name)
         if cached is not None and cached.gen == g and gens is not None:
+            if self.publisher is not None and cached.row is not None and time.monotonic() >= cached.check_at:
+                # evicted from the segment by others' entries: put back, or the plane forwards every call of it
+                cached.check_at = time.monotonic() + REPUBLISH_CHECK_S
+                if not self.publisher.has_connection(name):
+                    self.publisher.connection(cached.row, cached.connector.password, g)
             return cached.row, cached.connector, g
         row = self.store.get_connection(name)
         connector = None
@@ -316,6 +328,10 @@ class Runtime:
             cached = self.plans.get(pkey)
             if cached is not None and cached.gens == plan_gens:
                 self.plan_hits += 1
+                if self.publisher is not None and version_no == published and not override:
+                    now = time.monotonic()
+                    if now >= self.plan_checks.get(pkey, 0.0):
+                        self._republish_plan(pkey, cached, query_name, version_no, qgen, published, now)
                 return cached, crow, connector
         self.plan_misses += 1
         vrow = self.version(query_name, version_no, qgen)
@@ -338,6 +354,7 @@ class Runtime:
         if self.generations is not None and not getattr(p, "unknown", ()):
             if len(self.plans) > 10000:
                 self.plans.clear()
+                self.plan_checks.clear()
             self.plans[pkey] = p
             # The plane looks plans up by (key, query) alone and serves what it finds: only the published
             # version's plan may go there, or a later call without `version` could run another one.
@@ -345,6 +362,19 @@ class Runtime:
             if self.publisher is not None and version_no == published and not override and not p.claims:
                 self.publisher.plan(p, plan_mod.strip_sql(vrow["sql"]), published)
         return p, crow, connector
+
+    def _republish_plan(self, pkey, plan, query_name: str, version_no: int, qgen: int, published: int,
+                        now: float) -> None:
+        """A plan published once can be evicted from the segment's cache by others (FIFO per set) while this
+        worker still holds it: the plane then forwards its calls here for ever, since a warm plan is never
+        published again. So, at most once a REPUBLISH_CHECK_S per plan, a warm call looks (one lock-free read)
+        and puts back what is gone."""
+        self.plan_checks[pkey] = now + REPUBLISH_CHECK_S
+        if plan.claims or self.publisher.has_plan(plan):
+            return
+        vrow = self.version(query_name, version_no, qgen)
+        if vrow is not None:
+            self.publisher.plan(plan, plan_mod.strip_sql(vrow["sql"]), published)
 
     def _override_connection(self, principal, qrow: dict, name: str):
         """`connection_name=`: granted to this caller (an administrator may name any), and of the same kind."""
