@@ -48,12 +48,16 @@ def orders_db(path: str) -> str:
 def shm_name(prefix: str):
     """A fresh segment name for a test (yield from it in a fixture); its memory and semaphores go after."""
     import uuid
-
-    import posix_ipc
     n = f"/{prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     yield n
-    for unlink in (lambda: posix_ipc.unlink_shared_memory(n), lambda: posix_ipc.unlink_semaphore(n + "-w"),
-                   lambda: posix_ipc.unlink_semaphore(n + "-r")):
+    unlink_segment(n)
+
+
+def unlink_segment(name: str) -> None:
+    """A test segment's memory and its two semaphores gone, whichever of them exist."""
+    import posix_ipc
+    for unlink in (lambda: posix_ipc.unlink_shared_memory(name), lambda: posix_ipc.unlink_semaphore(name + "-w"),
+                   lambda: posix_ipc.unlink_semaphore(name + "-r")):
         try:
             unlink()
         except posix_ipc.ExistentialError:

@@ -13,6 +13,7 @@ from qag import entries
 from qag.recorder import run_recorder
 from qag.recorder.journal import FILE_HEADER, FRAME_HEADER, Journal, JournalError, JournalFull
 from qag.runstore.sql import SqlRunStore
+from tests.conftest import unlink_segment
 from tests.unit.test_recorder_loop import FakeSource, fill
 
 
@@ -252,8 +253,6 @@ def test_recorder_sigkilled_during_the_outage_and_during_the_drain_loses_and_dup
     import sys
     import uuid
 
-    import posix_ipc
-
     from shm import Segment
     from tests.integration.test_recorder_shm import PRODUCER, ROOT, _cmdline, env
 
@@ -317,12 +316,7 @@ def test_recorder_sigkilled_during_the_outage_and_during_the_drain_loses_and_dup
                 p.wait()
         lock.close()
         seg.close()
-        for unlink in (lambda: posix_ipc.unlink_shared_memory(name), lambda: posix_ipc.unlink_semaphore(name + "-w"),
-                       lambda: posix_ipc.unlink_semaphore(name + "-r")):
-            try:
-                unlink()
-            except posix_ipc.ExistentialError:
-                pass
+        unlink_segment(name)
     ids = store.request_ids()
     assert len(ids) == len(set(ids)) == 2 * per
     assert set(ids) == {f"p{s}-{i}" for s in (0, 1) for i in range(per)}

@@ -14,11 +14,11 @@ import textwrap
 import time
 import uuid
 
-import posix_ipc
 import pytest
 
 from qag.runstore import StoreSettings, open_store
 from shm import Segment
+from tests.conftest import unlink_segment
 
 from .test_runstore import pg_fresh
 
@@ -74,12 +74,7 @@ def segment():
     yield name, seg
     shutil.rmtree(journal_dir(name), ignore_errors=True)
     seg.close()
-    for unlink in (lambda: posix_ipc.unlink_shared_memory(name), lambda: posix_ipc.unlink_semaphore(name + "-w"),
-                   lambda: posix_ipc.unlink_semaphore(name + "-r")):
-        try:
-            unlink()
-        except posix_ipc.ExistentialError:
-            pass
+    unlink_segment(name)
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "postgresql", "clickhouse"])
