@@ -134,9 +134,10 @@ class Report:
             return
         self.w('## Headline\n')
         self.w('DESIGN.md\'s targets for the Python path (one worker, primary-key lookup, 32 callers, every run '
-               'recorded): at least 3x QueryAPIGate 0.43 with its metadata cache per gateway core, plain and '
-               'governed; at least 80% of the Falcon + psycopg2 floor; one caller\'s p50 under 0.6 ms. For the '
-               'data plane: at least 15x the peer per gateway core. Ratios: median over median, with the range '
+               'recorded): at least 5x QueryAPIGate 0.43 with its metadata cache per gateway core, plain and '
+               'governed; at least 95% of the Falcon + psycopg2 floor (issue 19: at least 90%); one caller\'s p50 '
+               'under 0.6 ms. For the data plane: at least 40x the peer per gateway core, one caller\'s p50 under '
+               '0.2 ms. Ratios: median over median, with the range '
                'worst-round/best-round to best/worst; "clear" when that range excludes 1.\n')
         out = []
         for harness, floor in (('oltp', 'floor_pg'), ('tpcc_mysql', 'floor_mysql')):
