@@ -15,6 +15,7 @@ import hmac
 import io
 import json
 import os
+import re
 import secrets
 import sys
 import time
@@ -24,6 +25,7 @@ import falcon
 
 from qag.errors import ApiError
 from qag.http.common import client_addr
+from qag.store import hash_secret
 
 COOKIE = "qag_console"
 PRINCIPAL_ENV = "qag.console_principal"   # a dotted WSGI key: no request header maps to it (PEP 3333)
@@ -108,14 +110,26 @@ class Console:
         raw = _kv_get(store, _row_key(sid))
         if raw is None:
             return None
-        data = json.loads(raw)
-        if data["expires"] <= time.time():
+        try:
+            data = json.loads(raw)
+            expires, cred = float(data["expires"]), data.get("cred")
+        except (ValueError, TypeError, KeyError):
+            data, expires, cred = None, 0.0, None
+        if expires <= time.time() or not isinstance(cred, str):
+            _kv_del(store, _row_key(sid))  # expired, or a row from before sessions were bound to a credential
+            return None
+        # The session is worth what the credential it was opened with is worth now: a revoked administrator
+        # token (or a QAG_ADMIN_KEY changed since) ends it at its next request, on every worker and host.
+        try:
+            p = self.app.auth.authenticate_hash(cred, client_addr(req))
+        except ApiError:
+            p = None
+        if p is None or not p.admin:
             _kv_del(store, _row_key(sid))
             return None
         s = Session()
-        s.sid, s.admin, s.csrf, s.expires = sid, data["admin"], data["csrf"], data["expires"]
-        from qag.auth import Principal
-        s.principal = Principal(True, data["admin"], None)
+        s.sid, s.admin, s.csrf, s.expires = sid, p.name, data["csrf"], expires
+        s.principal = p
         return s
 
     def render(self, req, resp, template: str, session: Session | None, status=200, **ctx) -> None:
@@ -174,9 +188,7 @@ class Console:
         if not session or not hmac.compare_digest(token.encode(), session.csrf.encode()):
             raise ApiError(403, "csrf_failed", "This form is stale or was not sent by the Console (its CSRF token "
                            "does not match); reload the page and try again.")
-        origin = req.get_header("Origin")
-        if origin and origin != "null" and urllib.parse.urlsplit(origin).netloc != (req.get_header("Host") or ""):
-            raise ApiError(403, "csrf_failed", "The form was sent from another site; it is refused.")
+        _same_origin(req)
         return fields
 
     def back(self, resp, where: str, flash: str = "") -> None:
@@ -205,6 +217,7 @@ class Login(Console):
         self.render(req, resp, "login.html", None, next=_safe_next(req.get_param("next")), message="")
 
     def on_post(self, req, resp):
+        _same_origin(req)  # no sign-in from another site's form (login CSRF)
         raw = req.bounded_stream.read(65536).decode("utf-8", "replace")
         fields = {k: v[-1] for k, v in urllib.parse.parse_qs(raw, keep_blank_values=True).items()}
         token = fields.get("token", "")
@@ -219,16 +232,39 @@ class Login(Console):
                         message="That is not an administrator token. Use QAG_ADMIN_KEY or a token from "
                                 "`qag admins create NAME`.")
             return
-        sid = secrets.token_urlsafe(32)
+        sid = secrets.token_urlsafe(32)  # always a new id: a cookie planted before sign-in is never adopted
         ttl = int(self.app.cfg.console_session_seconds)
         _kv_put(self.app.runtime.store, _row_key(sid),
-                json.dumps({"admin": p.name, "csrf": secrets.token_urlsafe(32), "expires": time.time() + ttl}))
+                json.dumps({"admin": p.name, "csrf": secrets.token_urlsafe(32), "expires": time.time() + ttl,
+                            "cred": hash_secret(token)}))
         _set_cookie(req, resp, sid, ttl)
         self.back(resp, nxt)
 
 
+def _same_origin(req) -> None:
+    """A state-changing Console request must come from the Console's own pages: refused when the browser says it
+    comes from another site (Origin naming another host, or `null` from a sandboxed or privacy-stripped context;
+    Sec-Fetch-Site cross-site or same-site). A request without either header (a script, an old browser) is
+    judged by its CSRF token alone."""
+    origin = req.get_header("Origin")
+    if origin is not None:
+        host = req.get_header("Host") or ""
+        parts = urllib.parse.urlsplit(origin)
+        if origin == "null" or parts.scheme not in ("http", "https") or parts.netloc.lower() != host.lower():
+            raise ApiError(403, "csrf_failed", "The form was sent from another site; it is refused.")
+    fetch_site = (req.get_header("Sec-Fetch-Site") or "").lower()
+    if fetch_site in ("cross-site", "same-site"):
+        raise ApiError(403, "csrf_failed", "The form was sent from another site; it is refused.")
+
+
+_NEXT_RE = re.compile(r"/console(?:[/?#][A-Za-z0-9._~!$&'()*+,;=:@/?#%-]*)?")
+
+
 def _safe_next(nxt) -> str:
-    if isinstance(nxt, str) and nxt.startswith("/console") and not nxt.startswith("//") and "\\" not in nxt:
+    """Where to go after sign-in: a Console path on this origin, or /console. No scheme, host, `//`, backslash,
+    control character, space or `..` segment: nothing a browser could read as another site."""
+    if isinstance(nxt, str) and len(nxt) <= 2000 and _NEXT_RE.fullmatch(nxt) and "//" not in nxt \
+            and "/../" not in nxt + "/" and "%2f" not in nxt.lower() and "%5c" not in nxt.lower():
         return nxt
     return "/console"
 
