@@ -241,12 +241,17 @@ def networks(nets: list[str]) -> tuple:
 
 
 def ip_allowed(ip: str, nets: tuple) -> bool:
-    """The caller's address is in one of the networks (from networks())."""
+    """The caller's address is in one of the networks (from networks()). An IPv4 caller seen through an IPv6
+    socket (`::ffff:a.b.c.d`, a dual-stack bind) is the IPv4 address it maps, and matches as either; an address
+    with a zone (`fe80::1%eth0`) matches as the address."""
     try:
-        addr = ipaddress.ip_address(ip)
+        addr = ipaddress.ip_address(ip.split("%", 1)[0] if "%" in ip else ip)
     except ValueError:
         return False
-    return any(addr in net for net in nets)
+    mapped = addr.ipv4_mapped if addr.version == 6 else None
+    return any(addr in net or (mapped is not None and mapped in net) for net in nets) or (
+        addr.version == 4 and any(net.version == 6 and ipaddress.IPv6Address(f"::ffff:{addr}") in net
+                                  for net in nets))
 
 
 def _allowed_for(row: dict, ip: str) -> bool:
