@@ -6,7 +6,9 @@ bound to a verified claim.
   is chosen by the token's `alg` among the algorithms the configuration allows, so an HMAC token is only ever
   checked against the shared secret (never against a public key: no algorithm confusion) and `alg: none` is never
   accepted. `exp` is required; `nbf`, `iss` (`QAG_JWT_ISSUER`) and `aud` (`QAG_JWT_AUDIENCE`) are checked with
-  `QAG_JWT_LEEWAY_SECONDS` of clock skew. Every failure is 401 `unauthorized`, indistinguishable from a bad key.
+  `QAG_JWT_LEEWAY_SECONDS` of clock skew. A token whose header names or carries a key (`jku`, `x5u`, `jwk`,
+  `x5c`) is refused without fetching anything. Every failure is 401 `unauthorized`, indistinguishable from a bad
+  key.
 - **Roles** (`/api/v1/roles`) are named grant templates, the grants of a key. A signed-in caller's role is the
   claim `QAG_JWT_ROLE_CLAIM` (default `role`). A role's changes reach its callers on their next call: a role is
   a key-kind generation named `role:<name>` in the segment.
@@ -33,6 +35,7 @@ JWKS_REFRESH_S = 1.0  # an unknown kid refetches the key set at most once a seco
 # The very sentence of a refused key (qag/auth.py, and the plane's): a caller cannot tell which way in failed.
 UNAUTHORIZED = "Give a valid, active API key in the X-API-Key header."
 ROLE_PREFIX = "role:"
+REMOTE_KEY_HEADERS = frozenset(("jku", "x5u", "jwk", "x5c"))
 ROLE_FIELDS_EXTRA = ("name", "description", "require_claims")
 
 
@@ -82,6 +85,10 @@ class Verifier:
             return hit[0]
         try:
             header = jwt.get_unverified_header(token)
+            if REMOTE_KEY_HEADERS.intersection(header) or not isinstance(header.get("kid", ""), str):
+                # a token naming where its own key is (or carrying it) is refused, never fetched nor used: the
+                # keys are the configuration's only
+                raise jwt.InvalidTokenError("key reference in the token")
             alg = header.get("alg")
             if alg == "HS256" and self.secret:
                 key, algs = self.secret, ["HS256"]
