@@ -29,8 +29,10 @@ RETRY = b"retry: 1000\n\n"
 class Feed:
     """One subscriber's position in the run store and what it may see."""
 
-    def __init__(self, *, store, auth, secret, addr, admin: bool, key_name, last: int, limit_total: int, release):
+    def __init__(self, *, store, auth, secret, addr, admin: bool, key_name, last: int, limit_total: int, release,
+                 bearer: str | None = None):
         self.store, self.auth, self.secret, self.addr = store, auth, secret, addr
+        self.bearer = bearer  # a signed-in subscriber's Authorization header, checked again as the key is
         self.admin, self.key_name, self.last, self.limit_total = admin, key_name, last, limit_total
         self.sent = 0
         self.quiet_since = time.monotonic()
@@ -39,9 +41,12 @@ class Feed:
 
     def step(self) -> tuple[bytes, bool, bool]:
         """(bytes to send, whether events came, whether the feed is finished)."""
-        if not self.admin:  # a revoked key's stream ends at once
+        if not self.admin:  # a revoked key's (an expired token's, a deleted role's) stream ends at once
             try:
-                self.auth.authenticate(self.secret, self.addr)
+                if self.bearer is not None:
+                    self.auth.authenticate_caller(None, self.bearer, self.addr)
+                else:
+                    self.auth.authenticate(self.secret, self.addr)
             except ApiError:
                 return b"", False, True
         batch = self.store.events_after(self.last, self.key_name, 1000)

@@ -342,7 +342,10 @@ def static_paths() -> dict:
                                 "content": {"text/event-stream": {"schema": SSE_EVENT}}},
                                errors={"400": _err("Malformed Last-Event-ID"), "401": _err("No or bad key"),
                                        "503": _err("Too many subscribers")},
-                               params=[_q("last_event_id", "Resume after this event id", {"type": "integer"})])},
+                               params=[_q("last_event_id", "Resume after this event id",
+                                          {"type": "integer", "minimum": 0}),
+                                       _q("limit", "End the stream after this many events (0: follow)",
+                                          {"type": "integer", "minimum": 0, "maximum": 10000000})])},
         "/-/shm": {"get": _op("shm_stat", "The shared segment's state", _json({"type": "object"}))},
         "/api/v1/roles": {
             "get": _op("list_roles", "List roles", _json({"type": "object"})),

@@ -7,6 +7,7 @@ never misses a run committed later with a smaller id (see qag/runstore).
 from __future__ import annotations
 
 import json
+import re
 
 from qag.errors import ApiError
 from qag.http.common import client_addr, ok, require_admin, run_store
@@ -88,6 +89,25 @@ class Usage:
         ok(resp, {"items": items, "next_cursor": None})
 
 
+_EVENT_ID = re.compile(r"[0-9]{1,19}")
+
+
+def event_id(req) -> int:
+    """The id to resume after: Last-Event-ID, else ?last_event_id=, else 0. Only plain decimal digits (no sign,
+    space, underscore or other script's digits, which int() would take), below 2**63; else 400."""
+    raw = req.get_header("Last-Event-ID")
+    if raw is None:
+        values = req.get_param_as_list("last_event_id") or []
+        if len(values) > 1:
+            raise ApiError(400, "invalid_event_id", "Give last_event_id once.")
+        raw = values[0] if values else None
+    if raw is None or raw == "":
+        return 0
+    if not _EVENT_ID.fullmatch(raw) or int(raw) >= 2 ** 63:
+        raise ApiError(400, "invalid_event_id", "Last-Event-ID must be an event id (a non-negative integer).")
+    return int(raw)
+
+
 class Events:
     """Server-Sent Events of runs; a key sees its own, an administrator all. Capped per key and per instance
     (QAG_KEY_SUBSCRIBERS, QAG_MAX_SUBSCRIBERS: 503 too_many_streams); served off the request threads by the
@@ -99,24 +119,23 @@ class Events:
     def on_get(self, req, resp):
         from qag.http.eventhub import Feed, Subscription
         app = self.app
-        secret = req.get_header("X-API-Key")
-        p = app.auth.authenticate(secret, client_addr(req))
-        raw = req.get_header("Last-Event-ID") or req.get_param("last_event_id") or "0"
-        try:
-            last = int(raw)
-            if not 0 <= last < 2 ** 63:
-                raise ValueError
-        except ValueError:
-            raise ApiError(400, "invalid_event_id", "Last-Event-ID must be an event id (a non-negative integer).") \
-                from None
+        secret, bearer, addr = req.get_header("X-API-Key"), req.get_header("Authorization"), client_addr(req)
+        # every way in, as /q: a key sees its own runs, a signed-in caller the runs recorded under it
+        p = app.auth.authenticate_caller(secret, bearer, addr)
+        unknown = set(req.params) - {"last_event_id", "limit"}
+        if unknown:
+            raise ApiError(400, "unknown_field", f"Unknown parameter(s) {', '.join(sorted(unknown))}; allowed: "
+                           "last_event_id, limit.")
+        last = event_id(req)
         limit_total = _int(req, "limit", 0, 0, 10_000_000)  # 0: follow for ever
-        key_name = None if p.admin else p.name
+        key_name = None if p.admin else p.caller
         store = run_store(app)
-        holder = p.name if not p.admin else "\x00admin"
+        holder = p.caller if not p.admin else "\x00admin"
         app.subscribers.acquire(holder)
-        feed = Feed(store=store, auth=app.auth, secret=secret, addr=client_addr(req), admin=p.admin,
+        feed = Feed(store=store, auth=app.auth, secret=secret, addr=addr, admin=p.admin,
                     key_name=key_name, last=last, limit_total=limit_total,
-                    release=lambda: app.subscribers.release(holder))
+                    release=lambda: app.subscribers.release(holder),
+                    bearer=None if secret or p.admin else bearer)
         resp.content_type = "text/event-stream"
         resp.set_header("Cache-Control", "no-store")
         resp.set_header("X-Accel-Buffering", "no")
