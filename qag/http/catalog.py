@@ -40,44 +40,50 @@ class Catalog:
         self.app = app
 
     def on_get(self, req, resp):
-        from qag.runtime import granted
-        rt = self.app.runtime
-        principal = _principal(self.app, req)
-        fmts = _formats()
-        items = []
-        for q in rt.store.list_queries():
-            if q["published_version"] is None:
-                continue
-            if not principal.admin and not granted(principal.key, q):
-                continue
-            try:
-                plan, _, _ = rt.plan(principal, q["name"], None)
-            except QueryFailed:
-                raise  # the database refused to describe itself to the plan: no listing (500)
-            except (ApiError, ConnectorError, SecretKeyProblem) as err:
-                if http_errors.status_of(err) in (400, 403, 404):
-                    continue  # governance refuses it for this caller, or it is gone: not runnable
-                plan = None   # the database is unreachable now: listed, without what only a plan knows
-            v = rt.version(q["name"], q["published_version"], rt.query(q["name"])[1]) or {}
-            masking = []
-            if plan is not None and plan.transforms is not None:
-                names = plan.names or ()
-                for i, action in enumerate(plan.transforms):
-                    if action is not None:
-                        masking.append({"position": i + 1, "column": names[i] if i < len(names) else None,
-                                        "action": action})
-            items.append({
-                "name": q["name"], "description": q.get("description") or "", "version": q["published_version"],
-                "connection_name": q["connection_name"],
-                # a claim-bound parameter is the token's, not the caller's to give: not listed
-                "parameters": {n: s for n, s in (v.get("parameters") or {}).items()
-                               if not (isinstance(s, dict) and s.get("from_claim"))},
-                "formats": fmts, "stream_formats": [f for f in render.STREAMERS if f in fmts],
-                "cache_ttl": q.get("cache_ttl"),
-                "writes": None if plan is None else bool(plan.is_write),
-                "masking": None if plan is None else masking,
-                "path": f"/q/{q['name']}"})
-        resp.media = {"items": items, "next_cursor": None}
+        resp.media = {"items": items(self.app, _principal(self.app, req)), "next_cursor": None}
+
+
+def items(app, principal) -> list[dict]:
+    """The saved queries `principal` may run, as /catalog lists them: published, granted by the same rule as /q and
+    not refused by governance for this caller (its plan is built, or taken from the plan cache). /openapi.json and
+    /mcp's tools/list list exactly these."""
+    from qag.runtime import granted
+    rt = app.runtime
+    fmts = _formats()
+    out = []
+    for q in rt.store.list_queries():
+        if q["published_version"] is None:
+            continue
+        if not principal.admin and not granted(principal.key, q):
+            continue
+        try:
+            plan, _, _ = rt.plan(principal, q["name"], None)
+        except QueryFailed:
+            raise  # the database refused to describe itself to the plan: no listing (500)
+        except (ApiError, ConnectorError, SecretKeyProblem) as err:
+            if http_errors.status_of(err) in (400, 403, 404):
+                continue  # governance refuses it for this caller, or it is gone: not runnable
+            plan = None   # the database is unreachable now: listed, without what only a plan knows
+        v = rt.version(q["name"], q["published_version"], rt.query(q["name"])[1]) or {}
+        masking = []
+        if plan is not None and plan.transforms is not None:
+            names = plan.names or ()
+            for i, action in enumerate(plan.transforms):
+                if action is not None:
+                    masking.append({"position": i + 1, "column": names[i] if i < len(names) else None,
+                                    "action": action})
+        out.append({
+            "name": q["name"], "description": q.get("description") or "", "version": q["published_version"],
+            "connection_name": q["connection_name"],
+            # a claim-bound parameter is the token's, not the caller's to give: not listed
+            "parameters": {n: s for n, s in (v.get("parameters") or {}).items()
+                           if not (isinstance(s, dict) and s.get("from_claim"))},
+            "formats": fmts, "stream_formats": [f for f in render.STREAMERS if f in fmts],
+            "cache_ttl": q.get("cache_ttl"),
+            "writes": None if plan is None else bool(plan.is_write),
+            "masking": None if plan is None else masking,
+            "path": f"/q/{q['name']}"})
+    return out
 
 
 class Schema:

@@ -391,7 +391,8 @@ def _query_path(q: dict, v: dict | None) -> dict:
                          ("max_length", "maxLength"), ("pattern", "pattern"), ("default", "default")):
             if src in spec:
                 schema[dst] = spec[src]
-        params.append({"name": pname, "in": "query", "required": bool(spec.get("required")), "schema": schema})
+        params.append({"name": pname, "in": "query", "required": bool(spec.get("required", "default" not in spec)),
+                       "schema": schema})
     params += _call_options()
     return {"get": {"summary": q.get("description") or f"Run {q['name']}", "operationId": f"run_{q['name']}",
                     "parameters": params, "security": [{"apiKey": []}, {"bearer": []}],
@@ -401,10 +402,12 @@ def _query_path(q: dict, v: dict | None) -> dict:
 def document(app, principal) -> dict:
     paths = static_paths()
     if principal is not None:
-        from qag.runtime import granted
+        from qag.http import catalog
         store = app.runtime.store
+        # the queries this caller may run, by the very rule of /catalog (granted, and not refused by governance)
+        runnable = {i["name"] for i in catalog.items(app, principal)}
         for q in store.list_queries():
-            if q["published_version"] is None or (not principal.admin and not granted(principal.key, q)):
+            if q["name"] not in runnable:
                 continue
             path = f"/q/{q['name']}"
             if path in paths:
