@@ -270,7 +270,7 @@ class Limiter:
                                 "RateLimit-Reset": str(retry)})
             if tight is None or remaining < tight[0]:
                 tight = (remaining, limit, reset)
-        d.headers = {"RateLimit-Limit": str(tight[1]), "RateLimit-Remaining": str(max(0, tight[0])),
+        d.headers = {"RateLimit-Limit": str(tight[1]), "RateLimit-Remaining": str(max(0, int(tight[0]))),
                      "RateLimit-Reset": str(max(0, int(tight[2] + 0.999)))}
         return d
 

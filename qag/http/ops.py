@@ -24,8 +24,9 @@ class Metrics:
     def on_get(self, req, resp):
         token = self.app.cfg.metrics_token
         if token:
-            auth = req.get_header("Authorization") or ""
-            if not (auth.startswith("Bearer ") and hmac.compare_digest(auth[7:].encode(), token.encode())):
+            scheme, _, given = (req.get_header("Authorization") or "").partition(" ")
+            # the scheme is case-insensitive (RFC 9110 11.1); the token is compared in constant time
+            if not (scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())):
                 raise ApiError(401, "unauthorized", "Give the metrics token as Authorization: Bearer <token>.")
         resp.content_type = "text/plain; version=0.0.4; charset=utf-8"
         resp.data = self.app.observer.render()
