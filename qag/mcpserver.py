@@ -11,9 +11,11 @@ request each), while streamable HTTP keeps sessions and server-sent streams open
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 ROW_LIMIT = 1000
+TOOL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")  # a saved query's name (qag/http/manage.py NAME_RE)
 PARAM_TYPES = {"int": "integer", "integer": "integer", "float": "number", "number": "number", "str": "string",
                "string": "string", "bool": "boolean", "boolean": "boolean"}
 
@@ -32,7 +34,7 @@ def input_schema(parameters: dict) -> dict:
             if src in spec:
                 s[dst] = spec[src]
         props[name] = s
-        if spec.get("required"):
+        if spec.get("required", "default" not in spec):  # the contract's rule: required unless it has a default
             required.append(name)
     return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
 
@@ -80,6 +82,13 @@ def build_app(upstream: str, *, host: str = "127.0.0.1", row_limit: int = ROW_LI
 
     async def call_tool(ctx, params):
         headers = {**_creds(ctx.request), "x-qag-via": "mcp"}
+        if not isinstance(params.name, str) or not TOOL_NAME_RE.fullmatch(params.name):
+            # a tool is a saved query's name; anything else (`../api/v1/…`, `q?stream=true`) would reach another
+            # route or options of the call, around the row limit
+            payload = {"error": "There is no tool by that name; list the tools to see yours.",
+                       "code": "query_not_found"}
+            return types.CallToolResult(content=[types.TextContent(type="text", text=json.dumps(payload))],
+                                        structured_content=payload, is_error=True)
         body = {"params": params.arguments or {}, "page_size": row_limit}
         async with httpx2.AsyncClient(timeout=60) as c:
             r = await c.post(f"{base}/q/{params.name}", json=body, headers=headers)

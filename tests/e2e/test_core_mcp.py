@@ -113,3 +113,14 @@ def test_no_key_no_tools(stack):
     while errors and isinstance(errors[0], BaseExceptionGroup):
         errors = list(errors[0].exceptions)
     assert isinstance(errors[0], MCPError) and "API key" in errors[0].message, refused.value
+
+
+def test_a_tool_name_is_a_query_name_not_a_path(stack):
+    """A tool name that is not a saved query's name never reaches another route or the call's options: `?stream=`
+    would lift the row limit, `../` would reach the Management API."""
+    for name in ("everyone?stream=true&format=csv", "everyone#x", "../api/v1/api-keys", "everyone/../person",
+                 "everyone%3Fstream%3Dtrue"):
+        async def call(c, name=name):
+            return await c.call_tool(name, {})
+        out = run(stack["url"], {"X-API-Key": stack["key"]}, call)
+        assert out.is_error and out.structured_content["code"] == "query_not_found", (name, out)
