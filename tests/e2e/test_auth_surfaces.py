@@ -1,0 +1,249 @@
+"""qag's ways in and side surfaces, attacked through a real `qag serve`: a Console session is worth what the
+administrator credential that opened it is worth now; the Console refuses sign-ins and forms from another site and
+redirects only inside itself; /events parses its resume id strictly and serves signed-in callers their own runs;
+a token naming a key of its own (jku, x5u, jwk, x5c) is refused and nothing is fetched; /metrics takes its token
+with the scheme in any case; RateLimit-Remaining is an integer; /openapi.json lists only what /catalog lists."""
+from __future__ import annotations
+
+import http.server
+import re
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import requests
+
+from tests.conftest import ROOT, free_port, start_server
+from tests.e2e.test_core_signed_in import AUD, ISS, SECRET, IdP
+
+
+@pytest.fixture(scope="module")
+def idp():
+    p = IdP()
+    yield p
+    p.httpd.shutdown()
+
+
+@pytest.fixture(scope="module")
+def srv(idp, tmp_path_factory):
+    data = str(tmp_path_factory.mktemp("auth") / "crm.db")
+    db = sqlite3.connect(data)
+    db.executescript("CREATE TABLE notes (id INTEGER, owner TEXT, email TEXT);"
+                     "INSERT INTO notes VALUES (1, 'ada', 'ada@corp.example'), (2, 'bob', 'bob@corp.example');")
+    db.commit()
+    db.close()
+    s = start_server({"QAG_JWT_JWKS_URL": f"http://127.0.0.1:{idp.port}/jwks.json", "QAG_JWT_SECRET": SECRET,
+                      "QAG_JWT_ISSUER": ISS, "QAG_JWT_AUDIENCE": AUD, "QAG_METRICS_TOKEN": "metrics-token-1",
+                      "QAG_ALLOW_WRITES": "1"}, args=("--workers", "1"))
+    post = lambda p, b: requests.post(s.base + p, json=b, headers=s.admin, timeout=10)
+    assert post("/api/v1/connections", {"name": "crm", "db": "sqlite", "database": data}).status_code == 201
+    for q in ({"name": "notes", "sql": "SELECT id, owner, email FROM notes ORDER BY id"},
+              {"name": "note", "sql": "SELECT id, owner FROM notes WHERE id = :id", "parameters": {"id": "int"}},
+              {"name": "add_note", "sql": "INSERT INTO notes (id, owner) VALUES (:id, 'x')",
+               "parameters": {"id": "int"}}):
+        r = post("/api/v1/queries", {**q, "connection_name": "crm", "publish": True})
+        assert r.status_code == 201, r.text
+    assert post("/api/v1/roles", {"name": "analyst", "queries": ["notes"]}).status_code == 201
+    s.post = post
+    yield s
+    s.stop()
+
+
+def admin_token(srv, name: str, action: str = "create") -> str:
+    out = subprocess.run([sys.executable, "-m", "qag.cli", "admins", action, name], env=srv.env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()[0] if action == "create" else ""
+
+
+def console_session(srv, token: str) -> requests.Session:
+    s = requests.Session()
+    r = s.post(srv.base + "/console/login", data={"token": token}, allow_redirects=False, timeout=10)
+    assert r.status_code == 303 and "qag_console" in s.cookies, r.text
+    return s
+
+
+def csrf_of(session, srv) -> str:
+    page = session.get(srv.base + "/console/keys", timeout=10)
+    assert page.status_code == 200
+    return re.search(r'name="csrf" value="([^"]+)"', page.text).group(1)
+
+
+# -- the Console ---------------------------------------------------------------------------------------------------
+def test_a_console_session_ends_when_its_administrator_token_is_revoked(srv):
+    token = admin_token(srv, "night-ops")
+    s = console_session(srv, token)
+    assert s.get(srv.base + "/console/keys", allow_redirects=False, timeout=10).status_code == 200
+    admin_token(srv, "night-ops", "revoke")
+    assert requests.get(srv.base + "/api/v1/queries", headers={"X-API-Key": token}, timeout=10).status_code == 401
+    for path in ("/console/keys", "/console", "/console/audit"):
+        r = s.get(srv.base + path, allow_redirects=False, timeout=10)
+        assert r.status_code == 303 and "/console/login" in r.headers["location"], (path, r.status_code)
+    assert s.get(srv.base + "/console/runs/tail", timeout=10).status_code == 401
+    # and a form the page still holds changes nothing
+    r = s.post(srv.base + "/console/keys", data={"csrf": "x", "action": "create", "name": "after-revoke"},
+               allow_redirects=False, timeout=10)
+    assert r.status_code == 303
+    names = [k["name"] for k in requests.get(srv.base + "/api/v1/api-keys", headers=srv.admin,
+                                             timeout=10).json()["items"]]
+    assert "after-revoke" not in names
+
+
+def test_the_console_refuses_other_sites_and_redirects_only_inside_itself(srv):
+    admin = srv.env["QAG_ADMIN_KEY"]
+    for headers in ({"Origin": "http://attacker.example"}, {"Origin": "null"}, {"Sec-Fetch-Site": "cross-site"},
+                    {"Sec-Fetch-Site": "same-site"}):
+        r = requests.post(srv.base + "/console/login", data={"token": admin}, headers=headers,
+                          allow_redirects=False, timeout=10)
+        assert r.status_code == 403 and r.json()["code"] == "csrf_failed", headers
+        assert "set-cookie" not in r.headers, "no session from another site's sign-in form"
+    s = console_session(srv, admin)
+    token = csrf_of(s, srv)
+    for headers in ({"Sec-Fetch-Site": "cross-site"}, {"Origin": "null"}):
+        r = s.post(srv.base + "/console/keys", data={"csrf": token, "action": "create", "name": "cross"},
+                   headers=headers, allow_redirects=False, timeout=10)
+        assert r.status_code == 403 and r.json()["code"] == "csrf_failed", headers
+    r = s.post(srv.base + "/console/keys", data={"csrf": token, "action": "create", "name": "same"},
+               headers={"Origin": srv.base, "Sec-Fetch-Site": "same-origin"}, allow_redirects=False, timeout=10)
+    assert r.status_code == 200 and "sk_" in r.text, "the Console's own form still works"
+    names = [k["name"] for k in requests.get(srv.base + "/api/v1/api-keys", headers=srv.admin,
+                                             timeout=10).json()["items"]]
+    assert "cross" not in names and "same" in names
+    for nxt in ("//evil.example", "https://evil.example/console", "/console/../api/v1/api-keys",
+                "/console\t//evil.example", "/console%2F%2Fevil.example", "/consolex", "/console\\evil",
+                "/console/%5c%5cevil.example", "/console\r\nSet-Cookie: x=1"):
+        r = requests.post(srv.base + "/console/login", data={"token": admin, "next": nxt}, allow_redirects=False,
+                          timeout=10)
+        assert r.status_code == 303 and r.headers["location"] == "/console", (nxt, r.headers.get("location"))
+    r = requests.post(srv.base + "/console/login", data={"token": admin, "next": "/console/runs?query=notes"},
+                      allow_redirects=False, timeout=10)
+    assert r.headers["location"] == "/console/runs?query=notes"
+
+
+# -- /events -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", ["abc", "-1", "+5", "5_0", "1e3", " 5", "99999999999999999999", "9223372036854775808",
+                                 "\u0663"])
+def test_a_bad_resume_id_is_400_not_a_guess(srv, bad):
+    for how in ("header", "query"):
+        if how == "header":
+            if not bad.isascii() or bad != bad.strip():
+                continue  # not sendable as a header value
+            r = requests.get(srv.base + "/events", headers={**srv.admin, "Last-Event-ID": bad}, timeout=10)
+        else:
+            r = requests.get(srv.base + "/events", params={"last_event_id": bad}, headers=srv.admin, timeout=10)
+        assert r.status_code == 400 and r.json()["code"] == "invalid_event_id", (how, bad, r.status_code)
+
+
+def test_events_refuses_unknown_and_repeated_parameters(srv):
+    r = requests.get(srv.base + "/events", params={"bogus": "1"}, headers=srv.admin, timeout=10)
+    assert r.status_code == 400 and r.json()["code"] == "unknown_field"
+    r = requests.get(srv.base + "/events?last_event_id=1&last_event_id=2", headers=srv.admin, timeout=10)
+    assert r.status_code == 400 and r.json()["code"] == "invalid_event_id"
+
+
+def first_event(srv, headers, timeout=5.0):
+    r = requests.get(srv.base + "/events", params={"limit": 1}, headers=headers, stream=True, timeout=timeout)
+    try:
+        assert r.status_code == 200, r.text
+        buf = b""
+        for chunk in r.iter_content(None):
+            buf += chunk
+            if b"\ndata: " in buf and buf.endswith(b"\n\n"):
+                break
+        return buf.decode()
+    except requests.exceptions.ConnectionError:
+        return None
+    finally:
+        r.close()
+
+
+def test_a_signed_in_caller_follows_its_own_runs_only(srv, idp):
+    ada, bob = idp.token(alg="HS256", sub="ada-events"), idp.token(alg="HS256", sub="bob-events")
+    h = {"Authorization": f"Bearer {ada}"}
+    assert requests.get(srv.base + "/q/notes", headers=h, timeout=10).status_code == 200
+    text = first_event(srv, h, timeout=15)
+    assert text and '"key_name": "jwt:ada-events"' in text
+    # bob has no runs: his feed stays quiet (no event of ada's reaches him)
+    assert first_event(srv, {"Authorization": f"Bearer {bob}"}, timeout=2) is None
+    r = requests.get(srv.base + "/events", headers={"Authorization": "Bearer not.a.token"}, timeout=10)
+    assert r.status_code == 401 and r.json()["code"] == "unauthorized"
+
+
+# -- tokens ------------------------------------------------------------------------------------------------------
+@pytest.fixture()
+def trap():
+    """An HTTP server that counts every request: a token's key URL must never be fetched."""
+    hits = []
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            hits.append(self.path)
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+    port = free_port()
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", port), H)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{port}", hits
+    httpd.shutdown()
+
+
+def test_a_token_naming_its_own_key_is_refused_and_nothing_is_fetched(srv, idp, trap):
+    url, hits = trap
+    refused = {
+        "jku": idp.token(headers={"jku": url + "/jwks.json"}),
+        "x5u": idp.token(headers={"x5u": url + "/cert.pem"}),
+        "jwk": idp.token(headers={"jwk": {"kty": "oct", "k": "c2VjcmV0"}}),
+        "x5c": idp.token(headers={"x5c": ["MIIB"]}),
+        "jku, HS256": idp.token(alg="HS256", headers={"jku": url + "/jwks.json"}),
+    }
+    for why, token in refused.items():
+        r = requests.get(srv.base + "/q/notes", headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        assert r.status_code == 401 and r.json()["code"] == "unauthorized", (why, r.text)
+    assert requests.get(srv.base + "/q/notes", headers={"Authorization": f"Bearer {idp.token()}"},
+                        timeout=10).status_code == 200, "the same token without the header passes"
+    time.sleep(0.3)
+    assert hits == [], f"a token's key URL was fetched: {hits}"
+
+
+# -- /metrics, limits, OpenAPI ---------------------------------------------------------------------------------------
+def test_metrics_token_scheme_is_case_insensitive_and_the_token_is_not(srv):
+    for auth in ("Bearer metrics-token-1", "bearer metrics-token-1", "BEARER metrics-token-1"):
+        assert requests.get(srv.base + "/metrics", headers={"Authorization": auth}, timeout=10).status_code == 200
+    for headers in ({}, {"Authorization": "Bearer METRICS-TOKEN-1"}, {"Authorization": "Bearer metrics-token"},
+                    {"Authorization": "Basic bWV0cmljcy10b2tlbi0x"}, {"Authorization": "metrics-token-1"},
+                    srv.admin):
+        r = requests.get(srv.base + "/metrics", headers=headers, timeout=10)
+        assert r.status_code == 401 and r.json()["code"] == "unauthorized", headers
+
+
+def test_ratelimit_headers_are_integers(srv):
+    key = srv.post("/api/v1/api-keys", {"name": "limited", "queries": ["notes"], "rate_limit": "4/minute",
+                                        "quota": "50/day"}).json()["secret"]
+    seen = []
+    for _ in range(6):
+        r = requests.get(srv.base + "/q/notes", headers={"X-API-Key": key}, timeout=10)
+        seen.append(r.status_code)
+        for h in ("RateLimit-Limit", "RateLimit-Remaining", "RateLimit-Reset"):
+            assert re.fullmatch(r"[0-9]+", r.headers[h]), (h, r.headers[h])
+        if r.status_code == 429:
+            assert r.json()["code"] == "rate_limited" and re.fullmatch(r"[0-9]+", r.headers["Retry-After"])
+    assert seen[:4] == [200] * 4 and seen[4:] == [429, 429], seen
+
+
+def test_openapi_lists_what_the_catalog_lists(srv):
+    key = srv.post("/api/v1/api-keys", {"name": "reader", "queries": ["notes", "note", "add_note"]}).json()["secret"]
+    h = {"X-API-Key": key}
+    catalog = {i["name"] for i in requests.get(srv.base + "/catalog", headers=h, timeout=10).json()["items"]}
+    doc = requests.get(srv.base + "/openapi.json", headers=h, timeout=10).json()
+    listed = {p[3:] for p in doc["paths"] if p.startswith("/q/") and p != "/q/{name}"}
+    assert catalog == {"notes", "note"}, "a write is not runnable by a read-only key"
+    assert listed == catalog
+    assert requests.get(srv.base + "/q/add_note", params={"id": 9}, headers=h, timeout=10).status_code == 403
+    params = {p["name"]: p for p in doc["paths"]["/q/note"]["get"]["parameters"]}
+    assert params["id"]["required"] is True, "a parameter without a default is required (API.md)"
