@@ -92,6 +92,10 @@ _UNSAFE_FUNCS = {
         pg_get_wal_records_info pg_get_wal_block_info pg_get_wal_stats
         ts_stat pg_import_system_collations pg_stat_reset pg_stat_reset_shared pg_stat_reset_single_table_counters
         pg_stat_reset_single_function_counters pg_stat_reset_slru pg_stat_reset_replication_slot
+        pg_stat_reset_subscription_stats pg_stat_reset_backend_stats
+        pg_backup_start pg_backup_stop pg_start_backup pg_stop_backup pg_log_backend_memory_contexts
+        pg_wal_replay_pause pg_wal_replay_resume pg_log_standby_snapshot pg_sync_replication_slots
+        pg_current_logfile
     """),
     "mysql": _names("load_file sys_exec sys_eval sys_get sys_set sys_bineval"),
     "sqlite": _names("load_extension readfile writefile edit fts3_tokenizer zipfile fsdir sqlar_uncompress"),
@@ -271,6 +275,8 @@ def _analyze_cached(sql: str, dialect: str) -> Analysis:
         return a
     alt = _mysql_ansi_reading(sql) if dialect == "mysql" else None
     tree = _parse_one(sql, dialect)
+    if dialect == "sqlite":
+        _sqlite_string_names(tree)
     a = _classify(sql, dialect, tree)
     if alt is not None:
         _merge_ansi_reading(a, alt)
@@ -307,6 +313,18 @@ def _mysql_ansi_reading(sql: str) -> str | None:
             pos = b
     out.append(sql[pos:])
     return "".join(out)
+
+
+def _sqlite_string_names(tree: exp.Expression) -> None:
+    """SQLite reads a '...' string beside a dot as a name ('customers'.card, c.'card', 'main'.'t'.'c': its
+    grammar's nm is an identifier or a STRING); sqlglot keeps it a literal, so the column would go untraced.
+    Refused: write the name unquoted or in double quotes."""
+    for node in tree.walk():
+        if isinstance(node, exp.Literal) and node.is_string and isinstance(node.parent, (exp.Dot, exp.Column)) \
+                and node.arg_key in ("this", "expression", "table", "db", "catalog"):
+            raise GovernanceError(400, "invalid_sql",
+                                  f"SQLite reads the string {node.sql(dialect='sqlite')} beside a dot as a name; "
+                                  "write names unquoted or in double quotes")
 
 
 def _merge_ansi_reading(a: Analysis, alt_sql: str) -> None:

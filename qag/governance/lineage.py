@@ -141,6 +141,7 @@ class Lineage:
         self.default_schema = default_schema
         self._columns_of = columns_of
         self._cols_cache: dict = {}
+        self._written: set | None = None     # collecting the lineage of stored values (written())
         self.resolve_ref = resolve_ref       # (db | None, name) -> (schema, table)
 
     # ---- entry point -------------------------------------------------------------------------------------
@@ -477,10 +478,35 @@ class Lineage:
         return _Source(alias, None, any_lineage=args_lin, fold=self.fold)
 
     # ---- DML with RETURNING --------------------------------------------------------------------------------
+    def written(self, tree):
+        """Everything the values a statement stores may derive from: INSERT's rows, UPDATE's, ON CONFLICT's and
+        MERGE's assignments (in a data-modifying CTE too), SELECT ... INTO's and CREATE ... AS's columns. A key
+        with masking rules must not copy a masked value into a column it then reads in clear."""
+        self._written = set()
+        try:
+            if isinstance(tree, exp.Create):
+                body = tree.args.get("expression")
+                if isinstance(body, exp.Expression):
+                    self._written |= self.flat(self.query(body, {}, None))
+            elif isinstance(tree, _QUERY + _DML):
+                out = self.query(tree, {}, None)
+                if isinstance(tree, exp.Select) and tree.args.get("into") is not None:
+                    self._written |= self.flat(out)
+            return frozenset(self._written)
+        except RecursionError:
+            raise
+        except Exception as exc:  # untraceable: everything may flow into the stored values
+            if hasattr(exc, "status"):
+                raise
+            _log.exception("lineage of written values failed")
+            return frozenset({("?", type(exc).__name__)})
+        finally:
+            self._written = None
+
     def dml(self, q, ctes, outer):
         ctes = self.bind_ctes(q, ctes, outer)
         returning = q.args.get("returning")
-        if returning is None:
+        if returning is None and self._written is None:
             return []
         scope = _Scope(outer, ctes)
         target = q.this
@@ -508,6 +534,14 @@ class Lineage:
         if isinstance(q, exp.Merge):
             for src in scope.sources[1:]:
                 extra |= src.all()
+            for when in q.find_all(exp.When):
+                then = when.args.get("then")
+                if isinstance(then, exp.Expression):
+                    extra |= self.expr(then, scope)
+        if self._written is not None:
+            self._written |= extra
+        if returning is None:
+            return []
         outs = []
         for e in returning.expressions:
             got = self.projection(e, _with_merged_target(scope))

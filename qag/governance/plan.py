@@ -221,6 +221,8 @@ def plan_governance(*, sql: str, dialect: str, default_schema: str, allowed_tabl
                                   {"tables": names})
 
     read = direct | tables
+    if rules and a.is_write:
+        _check_written(a, d, schema, read, rules, columns_of, views)
     transforms, names = _masking(a, d, schema, read, rules, columns_of, opaque, from_funcs)
     if views and rules and a.has_output and not a.explain:
         # Rules may also name a view's own columns (contacts.contact): the lineage through the views' names
@@ -560,12 +562,47 @@ _REVEALING = {
     "postgres": lambda s, t: t in ("pg_stat_statements", "pg_stat_statements_info") or (s == "pg_catalog" and t in (
         "pg_stats", "pg_statistic", "pg_stats_ext", "pg_stats_ext_exprs", "pg_statistic_ext_data",
         "pg_stat_activity", "pg_largeobject")),
-    "mysql": lambda s, t: s in ("mysql", "performance_schema", "sys") or (s == "information_schema" and t in (
-        "column_statistics", "processlist", "innodb_buffer_page", "innodb_ft_index_table", "innodb_ft_index_cache")),
+    # InnoDB's tables show other sessions' statements (innodb_trx.trx_query) and locked rows' keys (lock_data)
+    "mysql": lambda s, t: s in ("mysql", "performance_schema", "sys") or (s == "information_schema" and (t in (
+        "column_statistics", "processlist", "query_cache_info", "optimizer_trace") or t.startswith("innodb_"))),
     "sqlite": lambda s, t: t in ("sqlite_stat1", "sqlite_stat3", "sqlite_stat4", "sqlite_dbpage", "dbstat"),
-    "clickhouse": lambda s, t: s.lower() == "system" and (t.lower().endswith("_log") or t.lower() in (
-        "processes", "query_cache", "filesystem_cache")),
+    # ClickHouse's system tables hold values in many places (system.errors' last_error_message quotes the value
+    # a failed cast read, system.mutations' commands, system.parts' partition values): only the ones listed
+    # below, which describe the schema and the server's constants, are read by a key with masking rules
+    "clickhouse": lambda s, t: s.lower() == "system" and t.lower() not in _CH_HARMLESS_SYSTEM,
 }
+_CH_HARMLESS_SYSTEM = frozenset("""
+    one numbers numbers_mt zeros zeros_mt databases tables columns functions table_functions formats
+    data_type_families table_engines time_zones collations build_options contributors licenses keywords
+    aggregate_function_combinators database_engines
+""".split())
+
+
+def _check_written(a, d, schema, tables, rules, columns_of, views) -> None:
+    """A write by a key with masking rules may not store a value derived from a masked column (INSERT ... SELECT
+    email, UPDATE ... SET note = email, MERGE, SELECT ... INTO, CREATE ... AS): the key, or anyone, would then
+    read it in clear from the column it was copied to. Refused (403 mask_unresolvable) before it runs, whatever
+    the rule's action, and when the stored values cannot be traced while a rule covers a table read."""
+    lineage = Lineage(d, schema, columns_of, lambda ref: next(iter(resolve([ref], d, schema))))
+    applicable = [r for r in rules if any(r.matches_table(*t) for t in tables)]
+    if not applicable or not isinstance(a.tree, exp.Expression):
+        return
+    trees = [a.tree] + ([_expanded_tree(a.tree, d, schema, views)] if views else [])
+    for tree in trees:
+        for item in lineage.written(tree):
+            kind = item[0]
+            if kind in ("c", "e", "w") and len(item) >= 4:
+                hit = any(r.matches_table(item[1], item[2]) and r.matches_column(item[3]) for r in applicable)
+            elif kind in ("w", "t"):
+                hit = any(r.matches_table(item[1], item[2]) for r in applicable)
+            else:
+                hit = kind == "?"
+            if hit:
+                what = ".".join(item[1:]) if kind != "?" else "values qag cannot trace"
+                raise GovernanceError(403, "mask_unresolvable",
+                                      f"this statement stores values computed from {what}, which a masking rule of "
+                                      "this key covers: the copy would be read in clear; write literal values or "
+                                      "parameters, or columns no rule masks", {"column": what})
 
 
 def _masking(a, d, schema, tables, rules, columns_of, opaque=None, from_funcs=None, tree=None):
@@ -577,7 +614,7 @@ def _masking(a, d, schema, tables, rules, columns_of, opaque=None, from_funcs=No
     if revealing:
         raise GovernanceError(403, "mask_unresolvable",
                               f"this key has masking rules and {', '.join(revealing)} can reveal values of masked "
-                              "columns (statistics, query texts or raw pages)", {"tables": revealing})
+                              "columns (statistics, query texts, error messages or raw pages)", {"tables": revealing})
     if opaque:
         raise GovernanceError(403, "mask_unresolvable",
                               f"this key has masking rules and qag cannot trace the columns of {opaque}")
