@@ -277,6 +277,13 @@ def _analyze_cached(sql: str, dialect: str) -> Analysis:
     tree = _parse_one(sql, dialect)
     if dialect == "sqlite":
         _sqlite_string_names(tree)
+    if dialect == "clickhouse":
+        for node in tree.find_all(exp.Placeholder):
+            text = node.sql(dialect="clickhouse").replace(": ", ":") if node.this is not None else "?"
+            raise GovernanceError(400, "invalid_sql",
+                                  f"ClickHouse binds {text} itself (a query parameter, "
+                                  "which can stand for a table or column name qag cannot see); name parameters "
+                                  "as :name")
     a = _classify(sql, dialect, tree)
     if alt is not None:
         _merge_ansi_reading(a, alt)
