@@ -15,6 +15,7 @@ import threading
 import time
 
 from qag import timeutil
+from qag.capacity import caller_cells
 from qag.errors import ApiError
 from qag.limits import Limiter, period_bounds
 from qag.runtime import REPUBLISH_CHECK_S, CachedAdminToken, CachedKey
@@ -174,8 +175,11 @@ class Auth:
         if count is None:
             return False, spec.rows, end - now   # a rows-only quota is counted in Redis only
         gens = self.runtime.generations
+        shared = None
         if gens is not None and hasattr(gens, "gauge_cells"):
-            over, used = self._shared_window(gens, field, key_name, start, count)
+            shared = self._shared_window(gens, field, key_name, start, count)
+        if shared is not None:
+            over, used = shared
         else:
             with self._lock:
                 k = (field, key_name)
@@ -190,7 +194,7 @@ class Auth:
                     over, used = False, window[1]
         return over, count - used, end - now
 
-    def _shared_window(self, seg, field: str, key_name: str, start: float, count: int) -> tuple[bool, int]:
+    def _shared_window(self, seg, field: str, key_name: str, start: float, count: int) -> tuple | None:
         """A fixed window counted across every worker of the host: each worker writes its own slot's pair of
         gauge cells (window start, calls in it); the budget is the sum over slots in the current window.
         Two workers deciding in the same microsecond may let one call more through, never a whole worker's
@@ -198,8 +202,11 @@ class Auth:
         slot = self.runtime.slot
         labels = (("key", key_name), ("limit", field))
         with self._lock:
-            starts = seg.gauge_cells("qag_limit_window_start", labels)
-            calls = seg.gauge_cells("qag_limit_window_calls", labels)
+            # None when the segment has no room left for this caller's series: this worker's window decides
+            starts = caller_cells(seg, "qag_limit_window_start", labels)
+            calls = caller_cells(seg, "qag_limit_window_calls", labels) if starts is not None else None
+            if calls is None:
+                return None
             used = sum(c for s_, c in zip(starts, calls) if s_ == start)
             if used >= count:
                 return True, used

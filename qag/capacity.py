@@ -33,15 +33,19 @@ class OpenCount:
         self._all = (("scope", "instance"),)
 
     def _others(self, labels: tuple, mine: int) -> float:
-        """What the other workers hold: the sum over slots, less this worker's own cell."""
+        """What the other workers hold: the sum over slots, less this worker's own cell (a key's: none known when
+        the segment has no room for its series, caller_cells)."""
         if self.segment is None:
             return 0
-        cells = self.segment.gauge_cells(self._name, labels)
+        cells = caller_cells(self.segment, self._name, labels) if labels is not self._all \
+            else self.segment.gauge_cells(self._name, labels)
         return sum(cells) - cells[self.slot] if cells else 0
 
     def _publish(self, key: str) -> None:
         if self.segment is not None:
-            self.segment.gauge_set(self.slot, self._name, (("key", key),), self.mine.get(key, 0))
+            labels = (("key", key),)
+            if caller_cells(self.segment, self._name, labels) is not None:
+                self.segment.gauge_set(self.slot, self._name, labels, self.mine.get(key, 0))
             self.segment.gauge_set(self.slot, self._name, self._all, self.mine_total)
 
     def acquire(self, key: str) -> None:
@@ -131,9 +135,13 @@ class CallerCalls:
                 total = n
             else:
                 labels = (("key", caller),)
-                seg.gauge_set(self.slot, self.NAME, labels, n)
-                _store_load_barrier()
-                total = sum(seg.gauge_cells(self.NAME, labels))
+                if caller_cells(seg, self.NAME, labels) is None:
+                    seg = None  # no room for this caller's series: counted in this worker only
+                    total = n
+                else:
+                    seg.gauge_set(self.slot, self.NAME, labels, n)
+                    _store_load_barrier()
+                    total = sum(seg.gauge_cells(self.NAME, labels))
             if total > limit:
                 if seg is not None:
                     seg.gauge_set(self.slot, self.NAME, labels, n - 1)
@@ -151,12 +159,39 @@ class CallerCalls:
             else:
                 self.mine.pop(caller, None)
                 n = 0
-            if self.segment is not None:
+            if self.segment is not None and caller_cells(self.segment, self.NAME, (("key", caller),)) is not None:
                 self.segment.gauge_set(self.slot, self.NAME, (("key", caller),), n)
 
     def held(self, caller: str) -> int:
         with self.lock:
             return self.mine.get(caller, 0)
+
+
+def caller_cells(seg, name: str, labels: tuple):
+    """The segment's cells of a series named by a caller (a key or a signed-in subject: there is no bound on how
+    many), or None when the segment keeps its remaining room for the instance's own series
+    (shm Segment.gauge_cells_bounded). Then the caller's count is this worker's alone: a per-host bound becomes a
+    per-worker one for the callers past the room, and no call fails for a full series table (each new limited
+    caller or stream was a 500 once about a thousand callers had been seen)."""
+    bounded = getattr(seg, "gauge_cells_bounded", None)
+    if bounded is None:
+        return seg.gauge_cells(name, labels)
+    cells = bounded(name, labels)
+    if cells is None:
+        _warn_once()
+    return cells
+
+
+_warned = []
+
+
+def _warn_once() -> None:
+    if not _warned:
+        _warned.append(True)
+        import logging
+        logging.getLogger("qag.capacity").warning(
+            "the shared segment has no more room for per-caller counts (QAG_SHM_SIZE): the limits, streams and "
+            "max_concurrent of callers seen from now on are counted per worker")
 
 
 _BARRIER = threading.Lock()

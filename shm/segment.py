@@ -606,6 +606,25 @@ class Segment:
         d = self._d
         return [d[i0 + s * step] for s in range(self.slots)]
 
+    def gauge_cells_bounded(self, name: str, labels: tuple = ()) -> list[float] | None:
+        """gauge_cells() of a series named by a caller (a key, a signed-in subject: a set with no bound), or None
+        when it is not registered yet and registering it would leave less than a quarter of the series table or
+        of a slot's cells: those stay for the instance's own series, which a full table would otherwise fail
+        (SegmentFull) for every worker until the segment is made anew."""
+        if (name, labels) not in self._local[L.KIND_GAUGE]:
+            norm = tuple(sorted((str(k), str(v)) for k, v in labels))
+            if (name, norm) not in self._by_norm:
+                self._sync_series()
+                if (name, norm) not in self._by_norm:
+                    g, q = self.geometry, self._q
+                    if (g.series_max - q[L.H_SERIES_COUNT // 8] <= g.series_max // 4
+                            or g.cells_per_slot - q[L.H_CELLS_USED // 8] <= g.cells_per_slot // 4):
+                        return None
+        try:
+            return self.gauge_cells(name, labels)
+        except SegmentFull:
+            return None
+
     def histogram_observe(self, slot: int, name: str, labels: tuple, value: float) -> None:
         """N2: bucket i counts value <= HIST_BOUNDS[i] (non-cumulative), then the sum."""
         i = self._cell(slot, L.KIND_HISTOGRAM, name, labels)

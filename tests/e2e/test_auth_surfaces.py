@@ -247,3 +247,48 @@ def test_openapi_lists_what_the_catalog_lists(srv):
     assert requests.get(srv.base + "/q/add_note", params={"id": 9}, headers=h, timeout=10).status_code == 403
     params = {p["name"]: p for p in doc["paths"]["/q/note"]["get"]["parameters"]}
     assert params["id"]["required"] is True, "a parameter without a default is required (API.md)"
+
+
+# -- per-caller counts in the shared segment ------------------------------------------------------------------------
+def test_many_callers_cannot_fill_the_segment_for_everyone(idp, tmp_path):
+    """Each limited caller (a key, or a signed-in subject: a set with no bound) had series of its own in the
+    segment's series table (its rate window, its streams): once the table was full, every new limited caller,
+    every new stream and every new metric series was a 500 until the segment was made anew. Past the room kept
+    for the instance's own series, callers are counted per worker, and nothing fails."""
+    data = str(tmp_path / "d.db")
+    db = sqlite3.connect(data)
+    db.executescript("CREATE TABLE t (id INTEGER); INSERT INTO t VALUES (1), (2);")
+    db.commit()
+    db.close()
+    # a small segment: 128 series in all
+    s = start_server({"QAG_JWT_SECRET": SECRET, "QAG_JWT_ISSUER": ISS, "QAG_JWT_AUDIENCE": AUD,
+                      "QAG_SHM_SIZE": str(4 << 20), "QAG_RESPONSE_CACHE_MB": "0"}, args=("--workers", "1"))
+    try:
+        post = lambda p, b: requests.post(s.base + p, json=b, headers=s.admin, timeout=10)
+        assert post("/api/v1/connections", {"name": "d", "db": "sqlite", "database": data}).status_code == 201
+        assert post("/api/v1/queries", {"name": "t", "connection_name": "d", "sql": "SELECT id FROM t",
+                                        "publish": True}).status_code == 201
+        assert post("/api/v1/roles", {"name": "limited", "queries": ["t"], "rate_limit": "100/minute"}).status_code \
+            == 201
+        http = requests.Session()
+        statuses = []
+        for i in range(150):
+            token = idp.token(alg="HS256", sub=f"user-{i}", role="limited")
+            statuses.append(http.get(s.base + "/q/t", headers={"Authorization": f"Bearer {token}"},
+                                     timeout=10).status_code)
+        assert set(statuses) == {200}, [(i, st) for i, st in enumerate(statuses) if st != 200][:3]
+        # a caller seen after that is still limited (per worker: exact with one worker) and may stream
+        key = post("/api/v1/api-keys", {"name": "late", "queries": ["t"], "rate_limit": "2/minute"}).json()["secret"]
+        got = [requests.get(s.base + "/q/t", headers={"X-API-Key": key}, timeout=10).status_code for _ in range(3)]
+        assert got == [200, 200, 429], got
+        key2 = post("/api/v1/api-keys", {"name": "streamer", "queries": ["t"]}).json()["secret"]
+        r = requests.get(s.base + "/q/t", params={"stream": "true", "format": "csv"}, headers={"X-API-Key": key2},
+                         timeout=10)
+        assert r.status_code == 200 and r.text.splitlines()[0] == "id"
+        # and the instance's own series still have room: new routes and statuses are counted
+        assert requests.get(s.base + "/nowhere", timeout=10).status_code == 404
+        assert requests.get(s.base + "/metrics", timeout=10).status_code == 200
+        assert "internal_error" not in requests.get(s.base + "/metrics", timeout=10).text
+        assert "Traceback" not in s.log()
+    finally:
+        s.stop()
