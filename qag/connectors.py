@@ -451,6 +451,11 @@ class Connector:
         see) is refused."""
         return {}
 
+    def ancestors(self) -> dict[tuple[str, str], tuple[tuple[str, str], ...]]:
+        """{(schema, table): its ancestors} for tables whose rows are also another table's rows (PostgreSQL
+        partitions and INHERITS children): a masking rule on a table covers them too."""
+        return {}
+
 
 # ---------------------------------------------------------------------------------------------
 _PG_IDLE = psycopg2.extensions.TRANSACTION_STATUS_IDLE if psycopg2 is not None else 0
@@ -465,6 +470,23 @@ class PostgresConnector(Connector):
         if sp:
             return str(sp).split(",")[0].strip().strip('"')
         return "public"
+
+    def search_path(self) -> list[str]:
+        """The schemas a bare name is looked up in, in order, as the session's search_path lists them ("$user"
+        is the connection's user); governance resolves a bare name to the first one holding it, as PostgreSQL
+        does."""
+        opts = self.row.get("options") or {}
+        sp = opts.get("schema") or opts.get("search_path")
+        if not sp:
+            return ["public"]
+        out = []
+        for part in str(sp).replace(" ", "").replace("\\", "").split(","):
+            name = part[1:-1].replace('""', '"') if len(part) > 1 and part[0] == part[-1] == '"' else part.lower()
+            if name == "$user":
+                name = str(self.row.get("user") or "")
+            if name and name not in out:
+                out.append(name)
+        return out or ["public"]
 
     def _open(self, write: bool) -> _Session:
         if psycopg2 is None:
@@ -642,6 +664,19 @@ class PostgresConnector(Connector):
             "WHERE n.nspname NOT IN ('pg_catalog', 'information_schema') AND left(n.nspname, 8) <> 'pg_toast'",
             (), write=False, timeout=None, max_rows=None)
         return {(s, n) for s, n in rows}
+
+    def ancestors(self):
+        # Partitions and INHERITS children, with every ancestor (a partition of a partition has two)
+        _, rows, _ = self.run(
+            "WITH RECURSIVE anc(child, parent) AS (SELECT inhrelid, inhparent FROM pg_inherits UNION "
+            "SELECT a.child, i.inhparent FROM anc a JOIN pg_inherits i ON i.inhrelid = a.parent) "
+            "SELECT cn.nspname, c.relname, pn.nspname, p.relname FROM anc JOIN pg_class c ON c.oid = anc.child "
+            "JOIN pg_namespace cn ON cn.oid = c.relnamespace JOIN pg_class p ON p.oid = anc.parent "
+            "JOIN pg_namespace pn ON pn.oid = p.relnamespace", (), write=False, timeout=None, max_rows=None)
+        out: dict = {}
+        for cs, cn, ps, pn in rows:
+            out.setdefault((cs, cn), []).append((ps, pn))
+        return {k: tuple(v) for k, v in out.items()}
 
     def views(self):
         # Views and materialized views outside the catalogs; each definition is deparsed with search_path set

@@ -139,6 +139,7 @@ def build(*, key: dict | None, query: dict, version: dict, connection: dict, con
                 allowed_write_ops=grants.get("allowed_write_ops") if key else None,
                 allow_unsafe=bool(version.get("allow_unsafe")),
                 columns_of=columns_of, functions_of=functions_of, views_of=views_of,
+                search_path=getattr(connector, "search_path", lambda: None)(),
                 trusted_functions=tuple((connection.get("options") or {}).get("trusted_functions") or ()))
         except governance.GovernanceError as exc:
             raise ApiError(exc.status, exc.code, exc.message, exc.extra) from None

@@ -139,6 +139,7 @@ class CachedViews:
     gen: int
     views: dict
     read_at: float
+    ancestors: dict | None = None    # {(schema, table) lowercased: ancestors lowercased}, read on first use
 
 
 @dataclass(slots=True)
@@ -259,6 +260,13 @@ class Runtime:
             if cols is None:
                 cols = cached.lowered.get((schema.lower(), table.lower()))
             return list(cols) if cols is not None else None
+
+        def exact(schema: str, table: str):
+            """The columns of exactly that relation (PostgreSQL quoted names keep their case), or None."""
+            columns_of(schema, table)
+            cols = self.columns[conn_name].columns.get((schema, table))
+            return list(cols) if cols is not None else None
+        columns_of.exact = exact
         return columns_of
 
     def functions_of_factory(self, conn_name: str, connector, gen: int):
@@ -292,7 +300,20 @@ class Runtime:
             for cache in (self.views, self.columns, self.functions):
                 cache.pop(conn_name, None)
             return True
+        def ancestors_of() -> dict:
+            """{(schema, table): ((schema, table), ...)} (lowercased): the tables whose rows a partition or an
+            INHERITS child also holds, read once per generation with the views, when a key with masking rules
+            reads a relation."""
+            views_of()
+            cached = self.views[conn_name]
+            if cached.ancestors is None:
+                read = getattr(connector, "ancestors", None)
+                got = read() if read is not None else {}
+                cached.ancestors = {(s.lower(), t.lower()): tuple((a.lower(), b.lower()) for a, b in anc)
+                                    for (s, t), anc in got.items()}
+            return cached.ancestors
         views_of.refresh = refresh
+        views_of.ancestors = ancestors_of
         return views_of
 
     def plan(self, principal, query_name: str, version_no: int | None, connection_name: str | None = None):

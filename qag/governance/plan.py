@@ -111,6 +111,54 @@ class MaskRule:
         return self.column(column.lower())
 
 
+def _path_resolver(d, schema, search_path, columns_of, views_of):
+    """refs -> {(schema, table)}: tables.resolve, except that on PostgreSQL with a search_path of several schemas
+    a bare name is the relation of the first schema holding it (exact names, from the catalogue: the columns and
+    the views), as the server finds it; held by none, the first schema (the server refuses it)."""
+    path = [p for p in (search_path or ()) if p]
+    if d != "postgres" or len(path) < 2:
+        return lambda refs: resolve(refs, d, schema)
+    exact = getattr(columns_of, "exact", columns_of) if columns_of is not None else None
+    found: dict = {}
+
+    def holder(name):
+        if name not in found:
+            views = views_of() if views_of is not None else {}
+            found[name] = next((s for s in path if (s, name) in views or
+                                (exact is not None and exact(s, name) is not None)), None)
+        return found[name]
+
+    def res(refs):
+        out = set()
+        for db, name in refs:
+            if db is None and not name.startswith("pg_"):
+                out.add((holder(name) or schema, name))
+            else:
+                out |= resolve([(db, name)], d, schema)
+        return frozenset(out)
+    return res
+
+
+class _Inherited:
+    """A mask rule that also covers the partitions and INHERITS children of the tables it names: their rows are
+    the parent's rows, so reading a partition directly must not show what the parent's rule hides."""
+
+    __slots__ = ("action", "ancestors", "rule")
+
+    def __init__(self, rule: MaskRule, ancestors: dict):
+        self.rule = rule
+        self.action = rule.action
+        self.ancestors = ancestors     # {(schema, table) lowercased: ((schema, table), ...)}
+
+    def matches_table(self, schema: str, table: str) -> bool:
+        if self.rule.matches_table(schema, table):
+            return True
+        return any(self.rule.matches_table(s, t) for s, t in self.ancestors.get((schema.lower(), table.lower()), ()))
+
+    def matches_column(self, column: str) -> bool:
+        return self.rule.matches_column(column)
+
+
 def _matcher(pattern: str):
     if pattern == "*":
         return lambda s: True
@@ -137,7 +185,7 @@ def parse_rules(mask_rules) -> list[MaskRule]:
 def plan_governance(*, sql: str, dialect: str, default_schema: str, allowed_tables, mask_rules,
                     server_allows_writes: bool, key_allows_writes: bool, allowed_write_ops,
                     allow_unsafe: bool, columns_of, functions_of=None, trusted_functions=(),
-                    views_of=None) -> GovernedPlan:
+                    views_of=None, search_path=None) -> GovernedPlan:
     """Decide once whether the statement may run for this key and how each output column is masked.
     Checks in this order: unsafe functions, writes (server, key, op), tables, masking, functions.
 
@@ -147,12 +195,19 @@ def plan_governance(*, sql: str, dialect: str, default_schema: str, allowed_tabl
       functions_of() (optional) gives the database's user-defined functions as (schema, name) pairs: a name one
       of them defines is refused even where a built-in has it too (which one runs depends on argument types);
     - views_of() (optional) gives {(schema, name): definition} of the database's views: a view the statement
-      reads is governed as its definition (tables, functions, column lineage), or refused when it cannot be."""
+      reads is governed as its definition (tables, functions, column lineage), or refused when it cannot be.
+    search_path (PostgreSQL, optional): the schemas a bare name is looked up in; with more than one, a bare name
+    is the relation of the first schema holding it (by the catalogue), as the server finds it."""
     d = canonical_dialect(dialect)
     a = analyze(sql, d)
     schema = default_schema_for(d, default_schema)
     rules = parse_rules(mask_rules)
     governed = allowed_tables is not None or bool(rules)
+    ancestors_of = getattr(views_of, "ancestors", None)
+    if rules and ancestors_of is not None and a.table_refs:
+        ancestors = ancestors_of()
+        if ancestors:
+            rules = [_Inherited(r, ancestors) for r in rules]
     try:
         trust = Trust(trusted_functions if governed else ())
     except ValueError as exc:
@@ -161,7 +216,8 @@ def plan_governance(*, sql: str, dialect: str, default_schema: str, allowed_tabl
                               "queries on it") from None
 
     views: list[_View] = []
-    direct = resolve(a.table_refs, d, schema)
+    res = _path_resolver(d, schema, search_path, columns_of, views_of)
+    direct = res(a.table_refs)
     tables = direct
     unknown: list = []
     if governed and views_of is not None and a.table_refs:
@@ -222,13 +278,13 @@ def plan_governance(*, sql: str, dialect: str, default_schema: str, allowed_tabl
 
     read = direct | tables
     if rules and a.is_write:
-        _check_written(a, d, schema, read, rules, columns_of, views)
-    transforms, names = _masking(a, d, schema, read, rules, columns_of, opaque, from_funcs)
+        _check_written(a, d, schema, read, rules, columns_of, views, res)
+    transforms, names = _masking(a, d, schema, read, rules, columns_of, opaque, from_funcs, res=res)
     if views and rules and a.has_output and not a.explain:
         # Rules may also name a view's own columns (contacts.contact): the lineage through the views' names
         # and the lineage through their definitions both apply, the stricter action wins per position.
-        expanded = _expanded_tree(a.tree, d, schema, views)
-        t2, n2 = _masking(a, d, schema, read, rules, columns_of, opaque, from_funcs, tree=expanded)
+        expanded = _expanded_tree(a.tree, d, schema, views, res)
+        t2, n2 = _masking(a, d, schema, read, rules, columns_of, opaque, from_funcs, tree=expanded, res=res)
         transforms = _stricter(transforms, t2)
         names = names or n2
     if governed:
@@ -500,12 +556,12 @@ def _parse_view(t, definition, d: str) -> _View:
     return _View(t, text, a, tree, columns, reads)
 
 
-def _expanded_tree(tree, d: str, schema: str, views: list[_View]):
+def _expanded_tree(tree, d: str, schema: str, views: list[_View], res=None):
     """A copy of the statement's tree where every reference to a view is its definition as a derived table
     (aliased as the reference was), recursively: what lineage then traces goes to the base columns."""
     by_key = {_view_key(v.name, d): v for v in views}
 
-    def expand(node, view_schema, depth):
+    def expand(node, look, depth):
         if depth > _VIEW_DEPTH:
             raise GovernanceError(403, "view_not_expandable", f"views nest more than {_VIEW_DEPTH} deep")
         ctes = {normalize_identifier(c.args["alias"].this, d) for c in node.find_all(exp.CTE)
@@ -516,18 +572,19 @@ def _expanded_tree(tree, d: str, schema: str, views: list[_View]):
             db = t.args.get("db")
             name = normalize_identifier(t.this, d)
             if db is None and name in ctes:
-                ref = next(iter(resolve([(None, name)], d, view_schema)))
+                ref = next(iter(look([(None, name)])))
                 if _view_key(ref, d) in by_key:
                     raise GovernanceError(403, "view_not_expandable",
                                           f"{name} names both a CTE and a view; rename the CTE",
                                           {"tables": [table_text(ref)]})
                 continue
             dbn = normalize_identifier(db, d) if isinstance(db, exp.Identifier) else (str(db).lower() if db else None)
-            ref = next(iter(resolve([(dbn, name)], d, view_schema)))
+            ref = next(iter(look([(dbn, name)])))
             v = by_key.get(_view_key(ref, d))
             if v is None:
                 continue
-            inner = expand(v.tree.copy(), default_schema_for(d, v.name[0]), depth + 1)
+            vs = default_schema_for(d, v.name[0])
+            inner = expand(v.tree.copy(), lambda refs, vs=vs: resolve(refs, d, vs), depth + 1)
             alias = t.args.get("alias")
             if isinstance(alias, exp.TableAlias) and alias.this is not None:
                 new_alias = alias.copy()
@@ -537,7 +594,7 @@ def _expanded_tree(tree, d: str, schema: str, views: list[_View]):
                 new_alias.set("columns", [exp.to_identifier(c, quoted=True) for c in v.columns])
             t.replace(exp.Subquery(this=inner, alias=new_alias))
         return node
-    return expand(tree.copy(), schema, 0)
+    return expand(tree.copy(), res or (lambda refs: resolve(refs, d, schema)), 0)
 
 
 def _stricter(a, b):
@@ -578,16 +635,16 @@ _CH_HARMLESS_SYSTEM = frozenset("""
 """.split())
 
 
-def _check_written(a, d, schema, tables, rules, columns_of, views) -> None:
+def _check_written(a, d, schema, tables, rules, columns_of, views, res) -> None:
     """A write by a key with masking rules may not store a value derived from a masked column (INSERT ... SELECT
     email, UPDATE ... SET note = email, MERGE, SELECT ... INTO, CREATE ... AS): the key, or anyone, would then
     read it in clear from the column it was copied to. Refused (403 mask_unresolvable) before it runs, whatever
     the rule's action, and when the stored values cannot be traced while a rule covers a table read."""
-    lineage = Lineage(d, schema, columns_of, lambda ref: next(iter(resolve([ref], d, schema))))
+    lineage = Lineage(d, schema, columns_of, lambda ref: next(iter(res([ref]))))
     applicable = [r for r in rules if any(r.matches_table(*t) for t in tables)]
     if not applicable or not isinstance(a.tree, exp.Expression):
         return
-    trees = [a.tree] + ([_expanded_tree(a.tree, d, schema, views)] if views else [])
+    trees = [a.tree] + ([_expanded_tree(a.tree, d, schema, views, res)] if views else [])
     for tree in trees:
         for item in lineage.written(tree):
             kind = item[0]
@@ -605,7 +662,8 @@ def _check_written(a, d, schema, tables, rules, columns_of, views) -> None:
                                       "parameters, or columns no rule masks", {"column": what})
 
 
-def _masking(a, d, schema, tables, rules, columns_of, opaque=None, from_funcs=None, tree=None):
+def _masking(a, d, schema, tables, rules, columns_of, opaque=None, from_funcs=None, tree=None, res=None):
+    res = res or (lambda refs: resolve(refs, d, schema))
     if not rules or a.explain or not a.has_output:
         return None, None
     opaque = a.opaque if opaque is None else opaque
@@ -622,7 +680,7 @@ def _masking(a, d, schema, tables, rules, columns_of, opaque=None, from_funcs=No
         raise GovernanceError(403, "mask_unresolvable",
                               f"this key has masking rules and the rows of {', '.join(from_funcs)} cannot be "
                               "traced to their source columns", {"functions": from_funcs})
-    lineage = Lineage(d, schema, columns_of, lambda ref: next(iter(resolve([ref], d, schema))))
+    lineage = Lineage(d, schema, columns_of, lambda ref: next(iter(res([ref]))))
 
     def may_apply(rule):
         for t in tables:

@@ -258,3 +258,56 @@ def test_postgresql_view_created_after_the_catalogue_was_read(pg_app):
     r = call(c, masked, "later")
     assert r.status_code == 200 and r.json[0] == {"id": 1, "contact": "a***@example.com"}, r.text
     assert call(c, masked, "later").json[1] == {"id": 2, "contact": "b***@example.org"}
+
+
+def test_postgresql_partitions_and_children_masked_by_the_parents_rule(pg_app):
+    """A partition's and an INHERITS child's rows are their parent's rows: a rule on the parent's column masks
+    them when the table is read directly too (it read them in clear), and a write may not copy them."""
+    c = pg_app
+    pg_exec(f"postgresql://postgres@127.0.0.1:5432/{PG_DB}", """
+        CREATE TABLE public.members (id int, email text) PARTITION BY RANGE (id);
+        CREATE TABLE public.members_low PARTITION OF public.members FOR VALUES FROM (0) TO (100)
+          PARTITION BY RANGE (id);
+        CREATE TABLE public.members_low_a PARTITION OF public.members_low FOR VALUES FROM (0) TO (50);
+        INSERT INTO public.members VALUES (1, 'ada@example.com');
+        CREATE TABLE public.vip (level int) INHERITS (public.customers);
+        INSERT INTO public.vip VALUES (9, 'Vic', 'vic@example.net', 3);
+        CREATE TABLE public.notes (id int, body text);""")
+    query(c, "parent", "SELECT id, email FROM members")
+    query(c, "leaf", "SELECT id, email FROM members_low_a")
+    query(c, "child", "SELECT name, email, level FROM vip")
+    post(c, "/api/v1/queries", {"name": "copy", "connection_name": "db", "publish": True,
+                                "sql": "INSERT INTO notes SELECT id, email FROM members_low_a"})
+    plain = post(c, "/api/v1/api-keys", {"name": "plain", "connections": ["db"]})["secret"]
+    masked = post(c, "/api/v1/api-keys", {"name": "masked", "connections": ["db"], "allow_writes": True,
+                                          "mask": [{"column": "members.email", "action": "mask"},
+                                                   {"column": "public.customers.email", "action": "hash"}]})["secret"]
+    assert call(c, plain, "leaf").json == [{"id": 1, "email": "ada@example.com"}]   # what a rule must hide
+    assert call(c, masked, "parent").json == [{"id": 1, "email": "a***@example.com"}]
+    assert call(c, masked, "leaf").json == [{"id": 1, "email": "a***@example.com"}]
+    r = call(c, masked, "child")
+    assert r.status_code == 200 and "vic@" not in r.text and len(r.json[0]["email"]) == 16, r.text
+    r = call(c, masked, "copy")
+    assert r.status_code == 403 and r.json["code"] == "mask_unresolvable", r.text
+    assert pg_exec(f"postgresql://postgres@127.0.0.1:5432/{PG_DB}", "SELECT count(*) FROM notes")[0][0] == 0
+
+
+def test_postgresql_search_path_of_several_schemas(pg_app):
+    """With search_path billing,public a bare name the billing schema lacks is public's table to PostgreSQL: it
+    is governed as that table (it was taken for billing's, so billing.* let a key read public.customers)."""
+    c = pg_app
+    post(c, "/api/v1/connections", {"name": "sp", "db": "postgres", "host": "127.0.0.1", "port": 5432,
+                                    "user": "postgres", "database": PG_DB,
+                                    "options": {"allow_superuser": True, "search_path": "billing, public"}})
+    for name, sql in (("sp_customers", "SELECT id, email FROM customers"), ("sp_card", "SELECT card_number FROM card"),
+                      ("sp_contacts", "SELECT contact FROM contacts")):
+        post(c, "/api/v1/queries", {"name": name, "connection_name": "sp", "sql": sql, "publish": True})
+    listed = post(c, "/api/v1/api-keys", {"name": "sp-listed", "connections": ["sp"],
+                                          "allowed_tables": ["billing.*"]})["secret"]
+    masked = post(c, "/api/v1/api-keys", {"name": "sp-masked", "connections": ["sp"],
+                                          "mask": [{"column": "public.customers.email", "action": "mask"}]})["secret"]
+    r = call(c, listed, "sp_customers")
+    assert r.status_code == 403 and r.json["tables"] == ["public.customers"] and "ada@" not in r.text, r.text
+    assert call(c, listed, "sp_card").json[0] == {"card_number": "4111111111111111"}
+    assert call(c, masked, "sp_customers").json[0] == {"id": 1, "email": "a***@example.com"}
+    assert call(c, masked, "sp_contacts").json[0] == {"contact": "a***@example.com"}   # the view in public

@@ -34,6 +34,13 @@ def load_file(path: pathlib.Path):
                 schema, _, table = name.strip().rpartition(".")
                 catalogue[(schema, table)] = _split(cols)
                 continue
+            if s.startswith("inherits "):
+                # inherits schema.child: schema.parent   (a partition or INHERITS child; repeatable per child)
+                child, _, parent = s[len("inherits "):].partition(":")
+                cs, _, ct = child.strip().rpartition(".")
+                ps, _, pt = parent.strip().rpartition(".")
+                catalogue.setdefault("\x00inherits", {}).setdefault((cs, ct), []).append((ps, pt))
+                continue
             if s.startswith("default "):
                 key, _, value = s[len("default "):].partition(":")
                 defaults[key.strip()] = value.strip()
@@ -106,12 +113,19 @@ def run_case(catalogue, c):
         calls.append((schema, table))
         return catalogue.get((schema, table))
 
+    views_of = None
+    inherits = catalogue.get("\x00inherits")
+    if inherits:
+        def views_of():
+            return {}
+        views_of.ancestors = lambda: {k: tuple(v) for k, v in inherits.items()}
     return plan_governance(
         sql=c["sql"], dialect=c["dialect"], default_schema=c.get("schema", ""),
         allowed_tables=allowed_tables, mask_rules=_mask_rules(c.get("mask")),
         server_allows_writes="server" in writes, key_allows_writes="key" in writes,
         allowed_write_ops=None if ops is None else _split(ops),
-        allow_unsafe=c.get("unsafe", "no") == "yes", columns_of=columns_of)
+        allow_unsafe=c.get("unsafe", "no") == "yes", columns_of=columns_of, views_of=views_of,
+        search_path=_split(c["search_path"]) if "search_path" in c else None)
 
 
 @pytest.mark.parametrize("catalogue,case", all_cases())
