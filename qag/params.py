@@ -63,6 +63,8 @@ def _markers_cached(sql: str, dialect: str) -> tuple[tuple[int, int, str], ...]:
         return _mysql_markers(sql)
     if dialect == "sqlite":
         return _sqlite_markers(sql)
+    if dialect == "clickhouse":
+        return _clickhouse_markers(sql)
     return tuple(_generic_markers(sql, dialect))
 
 
@@ -140,7 +142,63 @@ def _sqlite_markers(sql: str) -> tuple[tuple[int, int, str], ...]:
     return markers
 
 
-# ---- ClickHouse (and the fallback): quotes, comments, :: ---------------------------------------------
+# ---- ClickHouse: its Lexer.cpp's rules -------------------------------------------------------------------
+_CH_HEREDOC = re.compile(r"\$([A-Za-z0-9_]*)\$")
+
+
+def _clickhouse_markers(sql: str) -> tuple[tuple[int, int, str], ...]:
+    """ClickHouse's lexical rules: '...', "..." and `...` all take backslash escapes and doubled quotes;
+    $tag$...$tag$ heredoc strings; -- and '# ' / '#!' comments to the end of the line; /* */ comments nest.
+    A :name inside any of them is text (a value bound there would land inside a name or a string where its
+    quotes could end it: SELECT 1 AS "x\\":q read secrets with q = '" , (SELECT ...) AS "t')."""
+    out: list[tuple[int, int, str]] = []
+    i, n = 0, len(sql)
+    while i < n:
+        c = sql[i]
+        if c in "'\"`":
+            j = quoted_end(sql, i, c, True)
+            if j < 0:
+                raise Unreadable("clickhouse", f"the quoted text at character {i + 1} does not end")
+            i = j
+        elif c == "$" and (m := _CH_HEREDOC.match(sql, i)) is not None:
+            j = sql.find(m.group(0), m.end())
+            if j < 0:
+                raise Unreadable("clickhouse", f"the heredoc string at character {i + 1} does not end")
+            i = j + len(m.group(0))
+        elif sql.startswith("--", i) or c == "#":
+            j = sql.find("\n", i)
+            i = n if j < 0 else j + 1
+        elif sql.startswith("/*", i):
+            depth, i = 1, i + 2
+            while i < n and depth:
+                if sql.startswith("/*", i):
+                    depth, i = depth + 1, i + 2
+                elif sql.startswith("*/", i):
+                    depth, i = depth - 1, i + 2
+                else:
+                    i += 1
+            if depth:
+                raise Unreadable("clickhouse", "a /* comment does not end")
+        elif c == ":":
+            if sql.startswith("::", i):
+                i += 2
+                continue
+            m = NAME_RE.match(sql, i + 1)
+            prev = sql[i - 1] if i > 0 else " "
+            if m and not (prev.isalnum() or prev == "_"):
+                if m.end() < n and (sql[m.end()].isalnum() or sql[m.end()] in "_$"):
+                    raise Unreadable("clickhouse", f"the server reads {sql[i:m.end() + 1]!r}... as one name, which is "
+                                                   "not a parameter marker :name (letters, digits, _)")
+                out.append((i, m.end(), m.group(0)))
+                i = m.end()
+            else:
+                i += 1
+        else:
+            i += 1
+    return tuple(out)
+
+
+# ---- the fallback: quotes, comments, :: --------------------------------------------------------------
 def _generic_markers(sql: str, dialect: str) -> list[tuple[int, int, str]]:
     out: list[tuple[int, int, str]] = []
     i, n = 0, len(sql)

@@ -133,3 +133,28 @@ def test_compile_native_for_the_plane():
     assert P.compile_native(sql, "postgres") == (
         "SELECT a FROM t WHERE a BETWEEN $1 AND $2 + 99 AND b LIKE 'x%' AND c = $3", ("start", "start", "c"))
     assert P.compile_native(sql, "mysql")[0] == "SELECT a FROM t WHERE a BETWEEN ? AND ? + 99 AND b LIKE 'x%' AND c = ?"
+
+
+@pytest.mark.parametrize("sql,names", [
+    ('SELECT 1 AS "x\\":q", :p', ["p"]),              # "..." names take backslash escapes: :q is inside
+    ("SELECT 1 AS `x\\`:q`, :p", ["p"]),
+    ("SELECT 'it\\'s :q', :p", ["p"]),
+    ("SELECT $$a:q$$ AS h, :p", ["p"]),                  # heredoc strings
+    ("SELECT $t$a$$:q$t$ AS h, :p", ["p"]),
+    ("SELECT 1 /* a /* b */ :q */ AS z, :p", ["p"]),     # comments nest
+    ("SELECT 1 AS a, :p # :q\n", ["p"]),
+    ("SELECT 1 AS a, :p #! :q\n", ["p"]),
+    ("SELECT 1 AS a, :p --:q\n", ["p"]),
+    ("SELECT :p::String", ["p"]),
+])
+def test_scan_markers_clickhouse(sql, names):
+    """ClickHouse's Lexer.cpp rules: a value bound at a :name the server reads inside a name or a string could
+    end it with its own quote (SELECT 1 AS "x\\":q with q = '" , (SELECT token FROM secrets) AS "t' read a
+    table the key may not)."""
+    assert [m[2] for m in P.scan_markers(sql, "clickhouse")] == names
+
+
+@pytest.mark.parametrize("sql", ['SELECT 1 AS "x', "SELECT $$a", "SELECT 1 /* /* */", "SELECT :pé", "SELECT :p١"])
+def test_scan_markers_clickhouse_refused(sql):
+    with pytest.raises(P.Unreadable):
+        P.scan_markers(sql, "clickhouse")
