@@ -34,6 +34,11 @@ class RequestIdMiddleware:
             req.env["qag.behind_plane"] = True
         req.context.request_id = request_id(req)
         req.context.started = time.perf_counter()
+        if req.method == "GET" and (req.content_length or req.get_header("Transfer-Encoding")):
+            # A GET's body means nothing in HTTP: parameters sent there would be silently ignored, so the call
+            # is refused rather than run without them.
+            raise ApiError(400, "invalid_body", "A GET carries no body; send the values in the query string, or "
+                           "POST the JSON body (POST /q/<name> takes {\"params\": {...}}).")
 
     def process_response(self, req, resp, resource, req_succeeded):
         headers = resp._headers  # Falcon's table of the answer's headers by lower-case name (set_header's)

@@ -67,8 +67,42 @@ def read_json(req, cfg, *, allow_empty: bool = False) -> dict:
         if allow_empty:
             return {}
         raise ApiError(400, "invalid_body", "Send a JSON object as the request body.")
+    ctype = req.content_type
+    if ctype and not _is_json(ctype):
+        raise ApiError(400, "invalid_body", f"The request body must be JSON (Content-Type: application/json), not "
+                       f"{ctype.split(';')[0].strip()[:100]}.")
+    return parse_json(raw)
+
+
+def _is_json(ctype: str) -> bool:
+    media = ctype.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def _no_duplicates(pairs: list) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise _BodyProblem(f"the name {dup[:100]!r} appears twice in one object")
+    return out
+
+
+def _no_constant(name: str):
+    raise _BodyProblem(f"{name} is not a JSON value")
+
+
+class _BodyProblem(ValueError):
+    pass
+
+
+def parse_json(raw: bytes) -> dict:
+    """A request body as a JSON object (RFC 8259 strictly: UTF-8, no NaN/Infinity, no name twice in an object, at
+    most a few thousand levels deep); anything else is 400 invalid_body saying why."""
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+    except _BodyProblem as exc:
+        raise ApiError(400, "invalid_body", f"The request body is not valid JSON: {exc}.") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, "invalid_body", f"The request body is not valid JSON: {exc}.") from None
     except RecursionError:  # `[[[[…` a few thousand deep: the parser's recursion, not the server, gives up
