@@ -26,7 +26,12 @@ RULES = ("type", "required", "default", "enum", "min", "max", "min_length", "max
 RESERVED = frozenset(("format", "page", "page_size", "version", "timeout", "stream", "connection_name"))
 NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _IDENT_START = re.compile(r"[A-Za-z_]")
+# A number's text, as a query string gives it: ASCII digits only (no Unicode digits, no '_' separators, no
+# surrounding spaces, no hex), so one value has one reading whatever reads it.
 _INT_RE = re.compile(r"[+-]?[0-9]+")
+FLOAT_RE = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+INT_RE = _INT_RE
+_NOT_FINITE = frozenset(("nan", "+nan", "-nan", "inf", "+inf", "-inf", "infinity", "+infinity", "-infinity"))
 TRUE_TEXT = frozenset(("true", "1", "yes"))
 FALSE_TEXT = frozenset(("false", "0", "no"))
 
@@ -489,8 +494,8 @@ def _convert(spec: ParamSpec, raw: Any) -> Any:
             raise ValueError("must be an integer")
         if isinstance(raw, int):
             v = raw
-        elif isinstance(raw, str) and _INT_RE.fullmatch(raw.strip()):
-            v = int(raw.strip())
+        elif isinstance(raw, str) and _INT_RE.fullmatch(raw):
+            v = text_int(raw)
         elif isinstance(raw, float) and raw.is_integer():
             v = int(raw)
         else:
@@ -502,12 +507,16 @@ def _convert(spec: ParamSpec, raw: Any) -> Any:
         if isinstance(raw, bool):
             raise ValueError("must be a number")
         if isinstance(raw, (int, float)):
-            v = float(raw)
-        elif isinstance(raw, str):
             try:
-                v = float(raw.strip())
-            except ValueError:
-                raise ValueError("must be a number") from None
+                v = float(raw)
+            except OverflowError:  # a JSON integer of hundreds of digits
+                raise ValueError("must be a finite number") from None
+        elif isinstance(raw, str):
+            if raw.lower() in _NOT_FINITE:
+                raise ValueError("must be a finite number")
+            if not FLOAT_RE.fullmatch(raw):
+                raise ValueError("must be a number")
+            v = float(raw)
         else:
             raise ValueError("must be a number")
         if math.isnan(v) or math.isinf(v):
@@ -517,7 +526,7 @@ def _convert(spec: ParamSpec, raw: Any) -> Any:
         if isinstance(raw, bool):
             return raw
         if isinstance(raw, str):
-            low = raw.strip().lower()
+            low = raw.lower()
             if low in TRUE_TEXT:
                 return True
             if low in FALSE_TEXT:
@@ -530,6 +539,15 @@ def _convert(spec: ParamSpec, raw: Any) -> Any:
     if "\x00" in raw:
         raise ValueError("must not contain NUL characters")
     return raw
+
+
+def text_int(text: str) -> int:
+    """An integer's text (already matched by INT_RE) as an int; one too long for Python to read (thousands of
+    digits) is returned as a value outside every 64-bit bound, so that it is refused as out of range."""
+    try:
+        return int(text)
+    except ValueError:
+        return INT_MAX + 1 if not text.startswith("-") else INT_MIN - 1
 
 
 def bind(specs: tuple[ParamSpec, ...], given: dict[str, Any], max_bytes: int) -> dict[str, Any]:
@@ -562,11 +580,10 @@ def bind(specs: tuple[ParamSpec, ...], given: dict[str, Any], max_bytes: int) ->
             errors[spec.name] = f"is longer than {max_bytes} bytes"
             continue
         if raw.__class__ is str and spec.type == "int":  # a query string's integer, read as _convert reads it
-            text = raw.strip()
-            if not _INT_RE.fullmatch(text):
+            if not _INT_RE.fullmatch(raw):
                 errors[spec.name] = "must be an integer"
                 continue
-            v = int(text)
+            v = text_int(raw)
             if not INT_MIN <= v <= INT_MAX:
                 errors[spec.name] = "must be a signed 64-bit integer"
                 continue

@@ -23,7 +23,7 @@ from qag import params as P
 from qag.errors import ApiError, DomainError
 from qag.http import errors as http_errors
 from qag.http.common import client_addr, read_json
-from qag.http.options import call_options
+from qag.http.options import call_options, given_once
 from qag.render import FORMATS, RENDERERS, STREAMERS
 from shm import responses as R
 
@@ -60,7 +60,17 @@ class DataResource:
         if not isinstance(params, dict):
             raise ApiError(400, "invalid_body", "params must be a JSON object of parameter values.")
         given = dict(req.params)
-        given.update({k: v for k, v in body.items() if k != "params" and v is not None})
+        for k, v in body.items():
+            if k != "params" and v is not None:
+                if k in given:  # in the query string and in the body: which one was meant cannot be known
+                    raise given_once(k)
+                given[k] = v
+        # Parameters may come in the query string as well as in the body's params, each name once.
+        loose = {k: v for k, v in given.items() if k not in P.RESERVED}
+        if loose:
+            params = dict(params)
+            for k, v in loose.items():
+                params[k] = [params[k], v] if k in params else v  # twice: refused by bind ("must be given once")
         self.serve(req, resp, name, given, params)
 
     def serve(self, req, resp, name: str, given: dict, body_params: dict | None) -> None:

@@ -24,10 +24,25 @@ class CallOptions:
     __slots__ = ("format", "page", "page_size", "version", "timeout", "stream", "params", "connection")
 
 
+ONCE_CODES = {"format": "invalid_format", "page": "invalid_paging", "page_size": "invalid_paging",
+              "timeout": "invalid_timeout", "stream": "invalid_stream", "version": "param_invalid",
+              "connection_name": "param_invalid"}
+
+
+def given_once(name: str) -> ApiError:
+    """A reserved name given twice (`?page=1&page=2`, or both in the query string and a POST body): which one
+    was meant cannot be known, so the call is refused with that option's own code."""
+    extra = {"errors": {name: "must be given once"}} if ONCE_CODES[name] == "param_invalid" else None
+    return ApiError(400, ONCE_CODES[name], f"{name} must be given once.", extra)
+
+
 def call_options(given: dict, cfg) -> CallOptions:
     """Split reserved names (format, page, page_size, version, timeout, stream) from parameters."""
     o = CallOptions()
     get = given.get
+    for name in ONCE_CODES:
+        if isinstance(get(name), list):
+            raise given_once(name)
     fmt = get("format", "json")
     low = fmt.lower() if isinstance(fmt, str) else None
     if low not in render.FORMATS:
@@ -48,8 +63,11 @@ def call_options(given: dict, cfg) -> CallOptions:
         o.version = None
     else:
         try:
+            if isinstance(v, bool) or (isinstance(v, str) and not P.INT_RE.fullmatch(v)) or \
+                    (isinstance(v, float) and not v.is_integer()):
+                raise ValueError
             o.version = int(v)
-            if o.version < 1 or o.version >= 2 ** 63 or isinstance(v, bool):
+            if o.version < 1 or o.version >= 2 ** 63:
                 raise ValueError
         except (TypeError, ValueError, OverflowError):
             raise ApiError(400, "param_invalid", "version must be a positive integer.",
@@ -63,10 +81,12 @@ def call_options(given: dict, cfg) -> CallOptions:
         try:
             if isinstance(t, bool) or not isinstance(t, (str, int, float)):
                 raise ValueError
+            if isinstance(t, str) and not P.FLOAT_RE.fullmatch(t):
+                raise ValueError  # ASCII decimal text only: no spaces, '_', Unicode digits, nan or inf
             asked = float(t)
             if not (asked > 0 and math.isfinite(asked)):
                 raise ValueError
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ApiError(400, "invalid_timeout", f"timeout must be a positive number of seconds (at least "
                            f"{connectors.MIN_TIMEOUT:g} is used, at most {cfg.query_timeout:g}).") from None
         o.timeout = connectors.limit_ms(asked, cfg.query_timeout) / 1000
@@ -103,8 +123,10 @@ def _int_opt(given: dict, name: str, default: int, lo: int, hi: int | None) -> i
     if raw is None or raw == "":
         return default
     try:
-        if raw.__class__ is str:  # a query string's value: what int() reads, as below
-            v = int(raw)
+        if raw.__class__ is str:  # a query string's value: ASCII digits, an optional sign, nothing else
+            if not P.INT_RE.fullmatch(raw):
+                raise ValueError
+            v = P.text_int(raw)
         else:
             if isinstance(raw, bool) or isinstance(raw, list):
                 raise ValueError
