@@ -252,10 +252,15 @@ class Store:
             return [tuple(r) for r in cur.fetchall()]
         return self.run(q)
 
-    def list_audit(self, limit: int = 100) -> list[dict]:
+    def list_audit(self, limit: int = 100, before: int | None = None) -> list[dict]:
+        """The newest audit rows first; `before`: only rows with a smaller id (the next page's cursor)."""
         def q(cur):
-            cur.execute("SELECT id, at, actor, action, entity, name, before, after FROM qag_audit "
-                        "ORDER BY id DESC LIMIT ?", (limit,))
+            if before is None:
+                cur.execute("SELECT id, at, actor, action, entity, name, before, after FROM qag_audit "
+                            "ORDER BY id DESC LIMIT ?", (limit,))
+            else:
+                cur.execute("SELECT id, at, actor, action, entity, name, before, after FROM qag_audit "
+                            "WHERE id < ? ORDER BY id DESC LIMIT ?", (before, limit))
             return [dict(id=r[0], at=r[1], actor=r[2], action=r[3], entity=r[4], name=r[5],
                          before=_loads(r[6]), after=_loads(r[7])) for r in cur.fetchall()]
         return self.run(q)

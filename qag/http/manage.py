@@ -5,6 +5,9 @@ then answers: so no worker serves a revoked key or an old version once the call 
 """
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import math
 import re
 import time
@@ -69,19 +72,53 @@ def _str_list(body, field):
 
 
 def list_page(items, req, key):
-    """`{"items": [...], "next_cursor": ...}` with ?limit= and an opaque cursor (the last name seen)."""
-    try:
-        limit = int(req.get_param("limit") or 100)
-        if not 1 <= limit <= 1000:
-            raise ValueError
-    except ValueError:
-        raise ApiError(400, "invalid_paging", "limit must be an integer between 1 and 1000.") from None
-    cursor = req.get_param("cursor")
+    """`{"items": [...], "next_cursor": ...}` with ?limit= and an opaque cursor (the last name seen, with a check
+    so that a cursor this server did not give is 400 invalid_cursor rather than a silently different page).
+    Any other query-string name is 400 unknown_field."""
+    unknown = set(req.params) - {"limit", "cursor"}
+    if unknown:
+        raise ApiError(400, "unknown_field", f"Unknown parameter(s) {', '.join(sorted(unknown))}; a list takes limit "
+                       "and cursor.", {"fields": sorted(unknown)})
+    raw = req.params.get("limit")
+    if raw is None or raw == "":
+        limit = 100
+    elif not isinstance(raw, str) or not P.INT_RE.fullmatch(raw) or not 1 <= P.text_int(raw) <= 1000:
+        raise ApiError(400, "invalid_paging", "limit must be an integer between 1 and 1000.")
+    else:
+        limit = int(raw)
+    cursor = req.params.get("cursor")
     if cursor:
-        items = [i for i in items if i[key] > cursor]
+        last = read_cursor(cursor)
+        items = [i for i in items if i[key] > last]
     page = items[:limit]
-    nxt = page[-1][key] if len(items) > limit else None
+    nxt = make_cursor(page[-1][key]) if len(items) > limit else None
     return {"items": page, "next_cursor": nxt}
+
+
+_CURSOR_CHECK = b"qag list cursor v1"
+
+
+def make_cursor(last: str) -> str:
+    raw = last.encode()
+    tag = hashlib.blake2b(raw, digest_size=6, key=_CURSOR_CHECK).digest()
+    return base64.urlsafe_b64encode(tag + raw).decode().rstrip("=")
+
+
+def read_cursor(cursor) -> str:
+    """The last name of the previous page, from a cursor make_cursor() gave; 400 invalid_cursor otherwise."""
+    bad = ApiError(400, "invalid_cursor", "cursor is not one this server gave; use the next_cursor of the previous "
+                   "page, or leave cursor out for the first page.")
+    if not isinstance(cursor, str) or len(cursor) > 600:
+        raise bad
+    try:
+        data = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        tag, raw = data[:6], data[6:]
+        if len(data) < 7 or not hmac.compare_digest(tag, hashlib.blake2b(raw, digest_size=6,
+                                                                         key=_CURSOR_CHECK).digest()):
+            raise ValueError
+        return raw.decode()
+    except (ValueError, UnicodeDecodeError):
+        raise bad from None
 
 
 # -- connections ----------------------------------------------------------------------------------
@@ -594,10 +631,12 @@ def caller_limit(field: str, value):
 
 
 def _expires(body):
+    """expires_at: an RFC 3339 time with its offset (or a date: midnight UTC); null for never. A time already past
+    is kept: the key is expired from the start (401 as any expired key), which is how a caller tests that row."""
     if "expires_at" not in body or body["expires_at"] is None:
         return None
     try:
-        return timeutil.fmt(timeutil.parse(body["expires_at"]))
+        return timeutil.fmt(timeutil.parse_input(body["expires_at"]))
     except ValueError as exc:
         raise ApiError(400, "invalid_field", f"expires_at: {exc}.", {"field": "expires_at"}) from None
 
@@ -620,7 +659,9 @@ class ApiKeys:
             # A key made from a role: the role's grants, copied once now (later role edits do not reach it);
             # grants given in the body override the role's.
             from qag import identity
-            role = identity.get_role(self.app.runtime.store, body["role"]) if isinstance(body["role"], str) else None
+            if not isinstance(body["role"], str):
+                raise _type_error("role", "the name of a role")
+            role = identity.get_role(self.app.runtime.store, body["role"])
             if role is None:
                 raise ApiError(404, "role_not_found", f"There is no role named '{body['role']}'.",
                                {"field": "role"})
@@ -701,11 +742,27 @@ class Audit:
 
     def on_get(self, req, resp):
         require_admin(self.app, req)
-        try:
-            limit = int(req.get_param("limit") or 100)
-        except ValueError:
-            raise ApiError(400, "invalid_paging", "limit must be an integer.") from None
-        ok(resp, {"items": self.app.runtime.store.list_audit(max(1, min(limit, 1000))), "next_cursor": None})
+        unknown = set(req.params) - {"limit", "cursor"}
+        if unknown:
+            raise ApiError(400, "unknown_field", f"Unknown parameter(s) {', '.join(sorted(unknown))}; the audit "
+                           "takes limit and cursor.", {"fields": sorted(unknown)})
+        raw = req.params.get("limit")
+        if raw is None or raw == "":
+            limit = 100
+        elif not isinstance(raw, str) or not P.INT_RE.fullmatch(raw) or not 1 <= P.text_int(raw) <= 1000:
+            raise ApiError(400, "invalid_paging", "limit must be an integer between 1 and 1000.")
+        else:
+            limit = int(raw)
+        before = None
+        cursor = req.params.get("cursor")
+        if cursor:
+            last = read_cursor(cursor)
+            if not last.isdigit() or not 0 < int(last) < 2 ** 63:
+                raise ApiError(400, "invalid_cursor", "cursor is not one this server gave.")
+            before = int(last)
+        rows = self.app.runtime.store.list_audit(limit + 1, before)
+        nxt = make_cursor(str(rows[limit - 1]["id"])) if len(rows) > limit else None
+        ok(resp, {"items": rows[:limit], "next_cursor": nxt})
 
 
 def register(app) -> None:

@@ -9,18 +9,19 @@ from __future__ import annotations
 import json
 import re
 
+from qag import params as P
+from qag import timeutil
 from qag.errors import ApiError
 from qag.http.common import client_addr, ok, require_admin, run_store
 
 
 def _int(req, name, default, lo, hi):
-    raw = req.get_param(name)
+    raw = req.params.get(name)
     if raw is None or raw == "":
         return default
-    try:
-        v = int(raw)
-    except ValueError:
-        raise ApiError(400, "invalid_paging", f"{name} must be an integer.") from None
+    if not isinstance(raw, str) or not P.INT_RE.fullmatch(raw):
+        raise ApiError(400, "invalid_paging", f"{name} must be an integer.")
+    v = P.text_int(raw)
     if not lo <= v <= hi:
         raise ApiError(400, "invalid_paging", f"{name} must be between {lo} and {hi}.")
     return v
@@ -57,6 +58,34 @@ def store_unavailable(exc: BaseException) -> bool:
     return False
 
 
+_STATUS_RE = re.compile(r"[1-5][0-9][0-9]|[1-5]xx|ok|error|errors|failed", re.I)
+
+
+def _filters(req, *, status: bool) -> dict:
+    """The filters every read of runs shares, checked here so that one the store would read otherwise is a 400:
+    since/until RFC 3339 with their offset (`since` before `until`), status an HTTP status (100-599), a class
+    such as 5xx, ok or error; and each given once."""
+    out = {}
+    for name in ("query", "key", "since", "until") + (("status",) if status else ()):
+        v = req.params.get(name)
+        if isinstance(v, list):
+            raise ApiError(400, "invalid_filter", f"{name} must be given once.")
+        out[name] = v if v != "" else None
+    bounds = {}
+    for name in ("since", "until"):
+        if out[name] is not None:
+            try:
+                bounds[name] = timeutil.parse_input(out[name])
+            except ValueError as exc:
+                raise ApiError(400, "invalid_filter", f"{name}: {exc}.") from None
+    if len(bounds) == 2 and bounds["since"] >= bounds["until"]:
+        raise ApiError(400, "invalid_filter", "since must be earlier than until.")
+    if status and out["status"] is not None and not _STATUS_RE.fullmatch(out["status"]):
+        raise ApiError(400, "invalid_filter", "status must be a code such as 404 (100 to 599), a class such as "
+                       "5xx, 'ok' or 'error'.")
+    return out
+
+
 class History:
     def __init__(self, app):
         self.app = app
@@ -67,9 +96,13 @@ class History:
         if unknown:
             raise ApiError(400, "unknown_field", f"Unknown filter(s) {', '.join(sorted(unknown))}.")
         limit = _int(req, "limit", 100, 1, 1000)
-        items, nxt = _store_call(self.app, lambda store: store.history(
-            query=req.get_param("query"), key=req.get_param("key"), status=req.get_param("status"),
-            since=req.get_param("since"), until=req.get_param("until"), limit=limit, cursor=req.get_param("cursor")))
+        f = _filters(req, status=True)
+        cursor = req.params.get("cursor")
+        if cursor and (not isinstance(cursor, str) or not cursor.isascii() or not cursor.isdigit()
+                       or not 0 < int(cursor) < 2 ** 63):
+            raise ApiError(400, "invalid_filter", "cursor is not one this server gave; use the next_cursor of the "
+                           "previous page.")
+        items, nxt = _store_call(self.app, lambda store: store.history(limit=limit, cursor=cursor or None, **f))
         ok(resp, {"items": items, "next_cursor": nxt})
 
 
@@ -82,10 +115,11 @@ class Usage:
         unknown = set(req.params) - {"per", "since", "until", "key", "query"}
         if unknown:
             raise ApiError(400, "unknown_field", f"Unknown filter(s) {', '.join(sorted(unknown))}.")
-        items = _store_call(self.app, lambda store: store.usage(per=req.get_param("per") or "hour",
-                                                                since=req.get_param("since"),
-                                                                until=req.get_param("until"), key=req.get_param("key"),
-                                                                query=req.get_param("query")))
+        f = _filters(req, status=False)
+        per = req.params.get("per")
+        if per is not None and per not in ("minute", "hour", "day"):
+            raise ApiError(400, "invalid_filter", "per must be minute, hour or day.")
+        items = _store_call(self.app, lambda store: store.usage(per=per or "hour", **f))
         ok(resp, {"items": items, "next_cursor": None})
 
 
