@@ -4,7 +4,6 @@
 //! Python would, yields `Forward`.
 
 use crate::error::{ApiError, Outcome};
-use crate::pyfmt::strip;
 
 /// One call's query string, parsed the way Falcon does (keep_blank, no csv), in first-seen order.
 /// None when a name repeats (Python builds a list) or decoding is not plain UTF-8: forward.
@@ -92,18 +91,12 @@ fn int_opt(given: &[(String, String)], name: &str, default: i64, lo: i64, hi: Op
     if !raw.is_ascii() {
         return Err(Outcome::Forward("non-ASCII paging value"));
     }
-    let t = strip(raw);
-    let digits = t.strip_prefix(['+', '-']).unwrap_or(t);
-    let ok = !digits.is_empty()
-        && digits.bytes().all(|b| b.is_ascii_digit() || b == b'_')
-        && !digits.starts_with('_')
-        && !digits.ends_with('_')
-        && !digits.contains("__");
-    if !ok {
+    // Python's grammar (qag/params.py INT_RE): an optional sign and ASCII digits, nothing around them
+    let digits = raw.strip_prefix(['+', '-']).unwrap_or(raw);
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
         return Err(ApiError::new(400, "invalid_paging", format!("{name} must be an integer.")).into());
     }
-    let clean: String = t.chars().filter(|c| *c != '_').collect();
-    let v: i64 = clean.parse().map_err(|_| Outcome::Forward("paging value beyond 64 bits"))?;
+    let v: i64 = raw.parse().map_err(|_| Outcome::Forward("paging value beyond 64 bits"))?;
     if v < lo || hi.is_some_and(|h| v > h) {
         let bound = match hi {
             Some(h) => format!("between {lo} and {h}"),
@@ -162,7 +155,9 @@ mod tests {
         assert_eq!(e("page_size=1001"), r#"{"error": "page_size must be between 1 and 1000.", "code": "invalid_paging", "request_id": "r"}"#);
         assert_eq!(e("page=1.5"), r#"{"error": "page must be an integer.", "code": "invalid_paging", "request_id": "r"}"#);
         assert!(matches!(call_options(&q("stream=true"), 10, 1000), Err(Outcome::Forward(_))));
-        assert_eq!(call_options(&q("page=1_0"), 10, 1000).unwrap().page, 10);
+        assert_eq!(e("page=1_0"), r#"{"error": "page must be an integer.", "code": "invalid_paging", "request_id": "r"}"#);
+        assert_eq!(e("page=%201"), r#"{"error": "page must be an integer.", "code": "invalid_paging", "request_id": "r"}"#);
+        assert_eq!(call_options(&q("page=%2B2"), 10, 1000).unwrap().page, 2);
         assert!(parse_query("a=1&a=2").is_none(), "a repeated name is a list in Python: forward");
         assert_eq!(q("a&=x&b=&&c=%2B+1"), vec![("a".into(), "".into()), ("".into(), "x".into()), ("b".into(), "".into()), ("c".into(), "+ 1".into())]);
     }

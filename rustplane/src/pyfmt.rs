@@ -1,6 +1,5 @@
 //! Python's text forms, byte for byte: `repr(float)`, `json.dumps` string escaping (with and without
-//! `ensure_ascii`), `repr(str)` for printable ASCII, `format(x, "g")`, and `str(Decimal)`; and
-//! `str.strip()` for ASCII text.
+//! `ensure_ascii`), `repr(str)` for printable ASCII, `format(x, "g")`, and `str(Decimal)`.
 
 /// Lowercase hex of bytes (bytes.hex()).
 pub fn hex(b: &[u8]) -> String {
@@ -11,11 +10,6 @@ pub fn hex(b: &[u8]) -> String {
         s.push(H[(x & 15) as usize] as char);
     }
     s
-}
-
-/// Python's `str.strip()` for ASCII-only text (non-ASCII text never reaches here for non-str types).
-pub fn strip(s: &str) -> &str {
-    s.trim_matches(|c: char| c == ' ' || ('\t'..='\r').contains(&c) || ('\x1c'..='\x1f').contains(&c))
 }
 
 /// `repr(x)` of a Python float: shortest round-trip digits; scientific when the decimal exponent is
