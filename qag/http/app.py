@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import urllib.parse
 
 import falcon
 
@@ -40,6 +41,22 @@ class RequestIdMiddleware:
             raise ApiError(400, "invalid_body", "A GET carries no body; send the values in the query string, or "
                            "POST the JSON body (POST /q/<name> takes {\"params\": {...}}).")
 
+    def process_resource(self, req, resp, resource, params):
+        qs = req.query_string
+        if qs and "%" in qs:
+            try:
+                urllib.parse.unquote_to_bytes(qs.replace("+", " ")).decode("utf-8")
+            except UnicodeDecodeError:
+                # Falcon would read the bytes as U+FFFD and pass the value on: a parameter the caller did not send
+                raise ApiError(400, "param_invalid" if req.uri_template == data.ROUTE else "invalid_request",
+                               "The query string is not UTF-8 once its %-escapes are decoded.") from None
+        template = req.uri_template
+        if qs and (template in NO_QUERY_NAMES or (req.method != "GET" and template in LISTS)):
+            names = sorted(req.params)
+            if names:
+                raise ApiError(400, "unknown_field", f"Unknown parameter(s) {', '.join(names)[:300]}; "
+                               f"{req.method} {template} takes none in its query string.", {"fields": names[:20]})
+
     def process_response(self, req, resp, resource, req_succeeded):
         headers = resp._headers  # Falcon's table of the answer's headers by lower-case name (set_header's)
         rid = req.context.get("request_id")
@@ -57,6 +74,14 @@ class RequestIdMiddleware:
             self.app.observer.request(route or "other", status, code, 0,
                                       time.perf_counter() - req.context.get("started", time.perf_counter()))
 
+
+# Routes whose query string carries nothing (any name given there is 400 unknown_field, not silently ignored), and
+# collections whose GET is a list (?limit=&cursor=, checked by manage.list_page) but whose POST takes none.
+NO_QUERY_NAMES = frozenset((
+    "/api/v1/connections/{name}", "/api/v1/connections/test", "/api/v1/queries/{name}", "/api/v1/queries/validate",
+    "/api/v1/queries/{name}/versions", "/api/v1/queries/{name}/publish", "/api/v1/api-keys/{name}",
+    "/api/v1/api-keys/{name}/rotate", "/api/v1/roles/{name}", "/catalog", "/connections/{name}/schema"))
+LISTS = frozenset(("/api/v1/connections", "/api/v1/queries", "/api/v1/api-keys", "/api/v1/roles"))
 
 CORS_METHODS = "GET, POST, PATCH, DELETE, OPTIONS"
 CORS_HEADERS = "X-API-Key, Authorization, Content-Type, X-Request-Id, If-None-Match, Last-Event-ID"
