@@ -296,8 +296,10 @@ def test_bad_input_is_a_400_not_a_500(dsn):
                    "page=461168601842738791&page_size=10", "page_size=100000000000000000000"):
             r = requests.get(srv.base + "/q/fast?" + qs, headers=keys["a"], timeout=30)
             assert r.status_code == 400 and r.json()["code"] == "invalid_paging", (qs, r.text)
-        r = requests.post(srv.base + "/q/fast", headers=h, data='{"page": Infinity}', timeout=30)
+        r = requests.post(srv.base + "/q/fast", headers=h, data='{"page": 1e400}', timeout=30)
         assert r.status_code == 400 and r.json()["code"] == "invalid_paging", r.text
+        r = requests.post(srv.base + "/q/fast", headers=h, data='{"page": Infinity}', timeout=30)
+        assert r.status_code == 400 and r.json()["code"] == "invalid_body", r.text  # not JSON (RFC 8259)
         r = requests.get(srv.base + "/q/fast?version=100000000000000000000", headers=srv.admin, timeout=30)
         assert r.status_code == 400 and r.json()["code"] == "param_invalid", r.text
         r = requests.get(srv.base + "/events?last_event_id=100000000000000000000", headers=keys["a"], timeout=30)

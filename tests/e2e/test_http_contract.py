@@ -204,3 +204,22 @@ def test_two_request_ids_or_a_malformed_one_are_replaced(srv):
         assert r.headers["X-Request-Id"] != bad and r.json()["request_id"] == r.headers["X-Request-Id"]
     r = requests.get(srv.base + "/q/nosuch", headers={**srv.key, "X-Request-Id": "a" * 64})
     assert r.headers["X-Request-Id"] == "a" * 64
+
+
+def test_a_query_string_that_is_not_utf8_is_refused_not_read_as_replacement_characters(srv):
+    r = requests.get(srv.base + "/q/orders?aid=%FF", headers=srv.key)
+    error(r, 400, "param_invalid")
+    error(requests.get(srv.base + "/api/v1/history?query=%C3", headers=srv.admin), 400, "invalid_request")
+    assert requests.get(srv.base + "/q/orders?aid=%32", headers=srv.key).json() == [{"id": 2, "cid": 8}]
+
+
+@pytest.mark.parametrize("method, path", [
+    ("GET", "/catalog"), ("GET", "/connections/lite/schema"), ("GET", "/api/v1/connections/lite"),
+    ("GET", "/api/v1/queries/orders"), ("GET", "/api/v1/api-keys/k"), ("POST", "/api/v1/api-keys"),
+    ("POST", "/api/v1/queries/validate"), ("PATCH", "/api/v1/api-keys/k"), ("DELETE", "/api/v1/api-keys/k"),
+])
+def test_a_query_string_name_a_route_does_not_take_is_unknown_field(srv, method, path):
+    h = {**(srv.key if path.startswith(("/catalog", "/connections")) else srv.admin), **J}
+    r = requests.request(method, srv.base + path + "?dry_run=true", headers=h, data=None if method == "GET" else b"{}")
+    error(r, 400, "unknown_field")
+    assert requests.get(srv.base + "/api/v1/api-keys/k", headers=srv.admin).status_code == 200  # not deleted
