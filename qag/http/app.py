@@ -79,9 +79,10 @@ class RequestIdMiddleware:
 # collections whose GET is a list (?limit=&cursor=, checked by manage.list_page) but whose POST takes none.
 NO_QUERY_NAMES = frozenset((
     "/api/v1/connections/{name}", "/api/v1/connections/test", "/api/v1/queries/{name}", "/api/v1/queries/validate",
-    "/api/v1/queries/{name}/versions", "/api/v1/queries/{name}/publish", "/api/v1/api-keys/{name}",
+    "/api/v1/queries/{name}/publish", "/api/v1/api-keys/{name}",
     "/api/v1/api-keys/{name}/rotate", "/api/v1/roles/{name}", "/catalog", "/connections/{name}/schema"))
-LISTS = frozenset(("/api/v1/connections", "/api/v1/queries", "/api/v1/api-keys", "/api/v1/roles"))
+LISTS = frozenset(("/api/v1/connections", "/api/v1/queries", "/api/v1/api-keys", "/api/v1/roles",
+                   "/api/v1/queries/{name}/versions"))
 
 CORS_METHODS = "GET, POST, PATCH, DELETE, OPTIONS"
 CORS_HEADERS = "X-API-Key, Authorization, Content-Type, X-Request-Id, If-None-Match, Last-Event-ID"

@@ -71,7 +71,7 @@ def _str_list(body, field):
     return v
 
 
-def list_page(items, req, key):
+def list_page(items, req, key, numbered=False):
     """`{"items": [...], "next_cursor": ...}` with ?limit= and an opaque cursor (the last name seen, with a check
     so that a cursor this server did not give is 400 invalid_cursor rather than a silently different page).
     Any other query-string name is 400 unknown_field."""
@@ -89,9 +89,13 @@ def list_page(items, req, key):
     cursor = req.params.get("cursor")
     if cursor:
         last = read_cursor(cursor)
+        if numbered:  # a list ordered by a number (a query's versions)
+            if not last.isdigit() or len(last) > 19:
+                raise ApiError(400, "invalid_cursor", "cursor is not one this server gave.")
+            last = int(last)
         items = [i for i in items if i[key] > last]
     page = items[:limit]
-    nxt = make_cursor(page[-1][key]) if len(items) > limit else None
+    nxt = make_cursor(str(page[-1][key])) if len(items) > limit else None
     return {"items": page, "next_cursor": nxt}
 
 
@@ -513,7 +517,7 @@ class QueryVersions:
         q = store.get_query(name)
         if q is None:
             raise ApiError(404, "query_not_found", f"There is no saved query named '{name}'.")
-        ok(resp, {"items": [public_version(v, q) for v in store.list_versions(name)], "next_cursor": None})
+        ok(resp, list_page([public_version(v, q) for v in store.list_versions(name)], req, "version", numbered=True))
 
     def on_post(self, req, resp, name):
         p = require_admin(self.app, req)
@@ -552,7 +556,7 @@ class QueryPublish:
         body = read_json(req, self.app.cfg)
         check_fields(body, ("version",), ("version",))
         version = body["version"]
-        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version < 2 ** 63:
             raise _type_error("version", "a positive integer")
         out = self.app.runtime.store.publish(p.name, name, version)
         self.app.runtime.changed("query", name)

@@ -223,3 +223,22 @@ def test_a_query_string_name_a_route_does_not_take_is_unknown_field(srv, method,
     r = requests.request(method, srv.base + path + "?dry_run=true", headers=h, data=None if method == "GET" else b"{}")
     error(r, 400, "unknown_field")
     assert requests.get(srv.base + "/api/v1/api-keys/k", headers=srv.admin).status_code == 200  # not deleted
+
+
+def test_a_querys_versions_are_a_list_paged_like_the_others(srv):
+    assert srv.post("/api/v1/queries", {"name": "vq", "connection_name": "lite", "sql": "SELECT 1 AS v"}).ok
+    for n in (2, 3):
+        assert srv.post("/api/v1/queries/vq/versions", {"sql": f"SELECT {n} AS v"}).status_code == 201
+    seen, cursor = [], None
+    while True:
+        r = requests.get(srv.base + "/api/v1/queries/vq/versions", headers=srv.admin,
+                         params={"limit": 2, **({"cursor": cursor} if cursor else {})})
+        assert r.status_code == 200, r.text
+        seen += [v["version"] for v in r.json()["items"]]
+        cursor = r.json()["next_cursor"]
+        if cursor is None:
+            break
+    assert seen == [1, 2, 3]
+    error(requests.get(srv.base + "/api/v1/queries/vq/versions?cursor=2", headers=srv.admin), 400, "invalid_cursor")
+    error(requests.get(srv.base + "/api/v1/queries/vq/versions?sort=desc", headers=srv.admin), 400, "unknown_field")
+    error(srv.post("/api/v1/queries/vq/publish", {"version": 2 ** 70}), 400, "invalid_field")  # a 500 before
