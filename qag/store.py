@@ -728,20 +728,31 @@ def _block_comment_end(sql: str, i: int) -> int:
 
 
 class _Cursor:
-    """A cursor that writes `?` markers in the store's dialect (pg_paramstyle) and counts statements."""
-    __slots__ = ("_store", "_cur")
+    """A cursor that writes `?` markers in the store's dialect (pg_paramstyle) and counts statements.
+
+    A value holding a NUL character matches nothing the store keeps (every name and text is refused with one when
+    it is saved), and PostgreSQL's text cannot even be compared with one (psycopg2 raises): a statement other than
+    an INSERT given such a value is not sent, and reads as no rows (a lookup of `/api/v1/keys/a%00b` is a 404 on
+    either store, not a 500 on PostgreSQL)."""
+    __slots__ = ("_store", "_cur", "_none")
 
     def __init__(self, store: Store, cur):
         self._store = store
         self._cur = cur
+        self._none = False
 
     def execute(self, sql: str, params: Iterable = ()):
         self._store.statements += 1
         obs = self._store.observer
         if obs is not None:
             obs.store_statement()
+        params = tuple(params)
+        self._none = any(p.__class__ is str and "\x00" in p for p in params) and \
+            not sql.lstrip()[:6].upper().startswith("INSERT")
+        if self._none:
+            return None
         try:
-            return self._cur.execute(self._store._sql(sql), tuple(params))
+            return self._cur.execute(self._store._sql(sql), params)
         except sqlite3.IntegrityError:
             raise Conflict() from None
         except Exception as exc:
@@ -750,14 +761,14 @@ class _Cursor:
             raise
 
     def fetchone(self):
-        return self._cur.fetchone()
+        return None if self._none else self._cur.fetchone()
 
     def fetchall(self):
-        return self._cur.fetchall()
+        return [] if self._none else self._cur.fetchall()
 
     @property
     def rowcount(self):
-        return self._cur.rowcount
+        return 0 if self._none else self._cur.rowcount
 
 
 def _is_disconnect(exc: Exception) -> bool:

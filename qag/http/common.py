@@ -52,8 +52,10 @@ def client_addr(req) -> str | None:
     return req.remote_addr
 
 
-def read_json(req, cfg, *, allow_empty: bool = False) -> dict:
-    """The request body as a JSON object: 413 when too large, 400 invalid_body otherwise."""
+def read_json(req, cfg, *, allow_empty: bool = False, nul_ok: bool = False) -> dict:
+    """The request body as a JSON object: 413 when too large, 400 invalid_body otherwise. A NUL character (\\u0000)
+    in any name or text is 400 invalid_body too (no store keeps one: PostgreSQL's text refuses it), unless
+    `nul_ok` (a /q body, whose parameters say it themselves: param_invalid)."""
     length = req.content_length
     if length is not None and length > cfg.max_body_bytes:
         raise ApiError(413, "body_too_large", f"The request body is larger than {cfg.max_body_bytes} bytes.")
@@ -71,7 +73,21 @@ def read_json(req, cfg, *, allow_empty: bool = False) -> dict:
     if ctype and not _is_json(ctype):
         raise ApiError(400, "invalid_body", f"The request body must be JSON (Content-Type: application/json), not "
                        f"{ctype.split(';')[0].strip()[:100]}.")
-    return parse_json(raw)
+    body = parse_json(raw)
+    if not nul_ok and b"\\u0000" in raw and _has_nul(body):
+        raise ApiError(400, "invalid_body", "The request body holds a NUL character (\\u0000); names and texts "
+                       "cannot contain one.")
+    return body
+
+
+def _has_nul(v) -> bool:
+    if isinstance(v, str):
+        return "\x00" in v
+    if isinstance(v, dict):
+        return any("\x00" in k or _has_nul(x) for k, x in v.items())
+    if isinstance(v, list):
+        return any(_has_nul(x) for x in v)
+    return False
 
 
 def _is_json(ctype: str) -> bool:

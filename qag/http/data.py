@@ -51,7 +51,7 @@ class DataResource:
         self.serve(req, resp, name, given, None)
 
     def on_post(self, req, resp, name):
-        body = read_json(req, self.app.cfg, allow_empty=True)
+        body = read_json(req, self.app.cfg, allow_empty=True, nul_ok=True)
         unknown = [k for k in body if k not in self.POST_FIELDS]
         if unknown:
             raise ApiError(400, "unknown_field", f"Unknown field(s) {', '.join(sorted(unknown))}; allowed: "

@@ -109,7 +109,7 @@ def call_options(given: dict, cfg) -> CallOptions:
     c = given.get("connection_name")
     if c is None or c == "":
         o.connection = None
-    elif not isinstance(c, str):
+    elif not isinstance(c, str) or "\x00" in c:
         raise ApiError(400, "param_invalid", "connection_name must be the name of a connection.",
                        {"errors": {"connection_name": "must be a connection's name"}})
     else:

@@ -70,6 +70,8 @@ def _filters(req, *, status: bool) -> dict:
         v = req.params.get(name)
         if isinstance(v, list):
             raise ApiError(400, "invalid_filter", f"{name} must be given once.")
+        if v is not None and "\x00" in v:
+            raise ApiError(400, "invalid_filter", f"{name} cannot contain a NUL character.")
         out[name] = v if v != "" else None
     bounds = {}
     for name in ("since", "until"):

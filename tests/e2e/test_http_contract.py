@@ -242,3 +242,32 @@ def test_a_querys_versions_are_a_list_paged_like_the_others(srv):
     error(requests.get(srv.base + "/api/v1/queries/vq/versions?cursor=2", headers=srv.admin), 400, "invalid_cursor")
     error(requests.get(srv.base + "/api/v1/queries/vq/versions?sort=desc", headers=srv.admin), 400, "unknown_field")
     error(srv.post("/api/v1/queries/vq/publish", {"version": 2 ** 70}), 400, "invalid_field")  # a 500 before
+
+
+@pytest.fixture(scope="module")
+def pgsrv():
+    """A server whose store is PostgreSQL, whose text cannot hold a NUL (psycopg2 refuses to send one)."""
+    from tests.conftest import PG_ADMIN_DSN, pg_exec, pg_fresh_db
+    dsn = pg_fresh_db("qag_http_contract_store")
+    s = start_server({"QAG_DATABASE_URL": dsn})
+    yield s
+    s.stop()
+    pg_exec(PG_ADMIN_DSN, "DROP DATABASE IF EXISTS qag_http_contract_store WITH (FORCE)")
+
+
+@pytest.mark.parametrize("store", ["sqlite", "postgres"])
+def test_a_nul_in_a_name_or_a_body_is_a_4xx_on_either_store(request, store):
+    s = request.getfixturevalue("srv" if store == "sqlite" else "pgsrv")
+    for path, code in (("/api/v1/connections/a%00b", "connection_not_found"), ("/api/v1/queries/a%00b",
+                       "query_not_found"), ("/api/v1/api-keys/a%00b", "key_not_found"),
+                       ("/api/v1/roles/a%00b", "role_not_found"), ("/q/a%00b", "query_not_found")):
+        error(requests.get(s.base + path, headers=s.admin), 404, code)
+    error(requests.delete(s.base + "/api/v1/api-keys/a%00b", headers=s.admin), 404, "key_not_found")
+    error(requests.get(s.base + "/q/x?connection_name=a%00b", headers=s.admin), 400, "param_invalid")
+    error(requests.get(s.base + "/api/v1/history?query=a%00b", headers=s.admin), 400, "invalid_filter")
+    for path, body in (("/api/v1/api-keys", {"name": "nul", "description": "a\x00b"}),
+                       ("/api/v1/connections/test", {"name": "a\x00b"}),
+                       ("/api/v1/roles", {"name": "nul", "queries": ["a\x00"]})):
+        r = requests.post(s.base + path, headers={**s.admin, **J}, data=json.dumps(body))
+        error(r, 400, "invalid_body")
+    assert requests.get(s.base + "/api/v1/api-keys/nul", headers=s.admin).status_code == 404
