@@ -664,6 +664,16 @@ def _check_written(a, d, schema, tables, rules, columns_of, views, res) -> None:
 
 def _masking(a, d, schema, tables, rules, columns_of, opaque=None, from_funcs=None, tree=None, res=None):
     res = res or (lambda refs: resolve(refs, d, schema))
+    if rules and a.explain and d in ("mysql", "clickhouse") and not isinstance(a.tree, exp.Describe):
+        # MariaDB/MySQL print a const table's values in the plan's conditions (EXPLAIN FORMAT=JSON ... WHERE
+        # c.id = 1 showed the masked email), ClickHouse evaluates scalar subqueries into it: a plan is not masked
+        covered = sorted(table_text(t) for t in tables if any(r.matches_table(*t) for r in rules))
+        if covered:
+            raise GovernanceError(403, "mask_unresolvable",
+                                  f"this key has masking rules covering {', '.join(covered)}, and the plan "
+                                  f"{_DIALECT_NAMES[d]} prints can hold values it read (constant rows, subqueries' "
+                                  "results), which masking cannot reach; EXPLAIN is refused for it",
+                                  {"tables": covered})
     if not rules or a.explain or not a.has_output:
         return None, None
     opaque = a.opaque if opaque is None else opaque
