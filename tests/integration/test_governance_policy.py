@@ -311,3 +311,16 @@ def test_postgresql_search_path_of_several_schemas(pg_app):
     assert call(c, listed, "sp_card").json[0] == {"card_number": "4111111111111111"}
     assert call(c, masked, "sp_customers").json[0] == {"id": 1, "email": "a***@example.com"}
     assert call(c, masked, "sp_contacts").json[0] == {"contact": "a***@example.com"}   # the view in public
+
+
+def test_mariadb_explain_prints_a_const_rows_values(my_app):
+    """MariaDB's EXPLAIN FORMAT=JSON puts a const table's values into the conditions it prints: a key without
+    limits sees the email there, a key with a masking rule on it is refused before it runs."""
+    c = my_app
+    query(c, "plan", "EXPLAIN FORMAT=JSON SELECT c2.id FROM customers c1 JOIN customers c2 ON c2.name = c1.email "
+                     "WHERE c1.id = 1")
+    plain, _, masked = keys(c, ["plan"], ["customers"], "customers.email")
+    r = call(c, plain, "plan")
+    assert r.status_code == 200 and "ada@example.com" in r.text, r.text
+    r = call(c, masked, "plan")
+    assert r.status_code == 403 and r.json["code"] == "mask_unresolvable" and "ada@" not in r.text, r.text
