@@ -110,6 +110,37 @@ def limit_ms(asked: float | None, server: float) -> int:
     return max(int(MIN_TIMEOUT * 1000), min(ms, server_ms))
 
 
+def _generated_from_rows(rows) -> dict:
+    """(schema, table, column, source column or None) rows -> generated_columns()'s form; a column with no
+    source row (or a None one) may derive from any column of its table."""
+    out: dict = {}
+    for s, t, c, dep in rows:
+        cols = out.setdefault((s, t), {})
+        if dep is None:
+            cols[c] = None
+        elif c not in cols or cols[c] is not None:
+            cols[c] = tuple(dict.fromkeys((*(cols.get(c) or ()), dep)))
+    return out
+
+
+_WORD = re.compile(r"[A-Za-z_\u0080-\uffff][A-Za-z0-9_$\u0080-\uffff]*")
+
+
+def _generated_from_text(rows, columns: dict) -> dict:
+    """(schema, table, column, expression text) rows -> generated_columns()'s form: the table's columns the
+    expression's words name (compared without case), which over-counts (a word in a string) and never misses
+    a column; a table whose columns are unknown: any."""
+    out: dict = {}
+    for s, t, c, expr in rows:
+        known = columns.get((s, t))
+        if known is None or expr is None:
+            out.setdefault((s, t), {})[c] = None
+            continue
+        words = {w.lower() for w in _WORD.findall(str(expr))}
+        out.setdefault((s, t), {})[c] = tuple(k for k in known if k.lower() in words and k != c)
+    return out
+
+
 # -- S5: which statements are proven to leave no state behind ---------------------------------------
 # Built-ins that compute from their arguments (and the statement's snapshot) only. Anything else — a
 # user-defined function, set_config, advisory locks, nextval, dblink... — makes the session reset after the call.
@@ -431,6 +462,11 @@ class Connector:
     def introspect(self) -> dict[tuple[str, str], list[str]]:
         raise NotImplementedError
 
+    def generated_columns(self) -> dict[tuple[str, str], dict[str, tuple[str, ...] | None]]:
+        """{(schema, table): {column: the columns of that table its value is computed from (None: unknown, any)}}
+        for generated, ALIAS and MATERIALIZED columns: governance masks them as derived from those columns."""
+        return {}
+
     def privileges(self) -> dict:
         """S8: {"superuser": bool, "server_files": bool, "privileged": bool, "detail": [...]} of the role this
         connection logs in as, read from the database (the runtime keeps it per connection generation)."""
@@ -656,6 +692,18 @@ class PostgresConnector(Connector):
         for s, t, c in rows:
             out.setdefault((s, t), []).append(c)
         return out
+
+    def generated_columns(self):
+        # GENERATED ALWAYS AS (...) STORED columns and the columns their expression reads (pg_depend)
+        _, rows, _ = self.run(
+            "SELECT n.nspname, c.relname, a.attname, d.attname FROM pg_attribute a "
+            "JOIN pg_class c ON c.oid = a.attrelid JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "LEFT JOIN pg_attrdef ad ON ad.adrelid = a.attrelid AND ad.adnum = a.attnum "
+            "LEFT JOIN pg_depend dep ON dep.classid = 'pg_attrdef'::regclass AND dep.objid = ad.oid "
+            "AND dep.refclassid = 'pg_class'::regclass AND dep.refobjid = a.attrelid AND dep.refobjsubid > 0 "
+            "LEFT JOIN pg_attribute d ON d.attrelid = a.attrelid AND d.attnum = dep.refobjsubid "
+            "WHERE a.attgenerated <> '' AND NOT a.attisdropped", (), write=False, timeout=None, max_rows=None)
+        return _generated_from_rows(rows)
 
     def user_functions(self):
         # Every function outside the catalog schemas, extensions' included (their SQL bodies can read tables).
@@ -913,6 +961,14 @@ class MySQLConnector(Connector):
             out.setdefault((s, t), []).append(c)
         return out
 
+    def generated_columns(self):
+        # VIRTUAL / STORED generated columns: the table's columns named in the expression
+        _, rows, _ = self.run(
+            "SELECT TABLE_SCHEMA, TABLE_NAME, COLUMN_NAME, GENERATION_EXPRESSION FROM information_schema.COLUMNS "
+            "WHERE IS_GENERATED = 'ALWAYS' AND TABLE_SCHEMA NOT IN ('performance_schema', 'sys')",
+            (), write=False, timeout=None, max_rows=None)
+        return _generated_from_text(rows, self.introspect() if rows else {})
+
     def user_functions(self):
         # Stored functions (information_schema lists those this account may see) and loadable UDFs (native
         # code, in mysql.func when the account may read it).
@@ -1029,6 +1085,13 @@ class SQLiteConnector(Connector):
             out[("main", t.lower())] = [c[0] for c in cols]
         return out
 
+    def generated_columns(self):
+        # GENERATED ALWAYS AS columns (hidden 2, 3 in table_xinfo): computed from the row, any column of it
+        _, rows, _ = self.run("SELECT m.name, x.name FROM sqlite_master m, pragma_table_xinfo(m.name) x "
+                              "WHERE m.type = 'table' AND x.hidden IN (2, 3)", (), write=False, timeout=None,
+                              max_rows=None)
+        return _generated_from_rows([("main", t.lower(), c, None) for t, c in rows])
+
     def views(self):
         # sqlite_master keeps each view's CREATE VIEW statement as written
         _, rows, _ = self.run("SELECT name, sql FROM sqlite_master WHERE type = 'view'", (), write=False,
@@ -1101,6 +1164,14 @@ class ClickHouseConnector(Connector):
         for s, t, c in rows:
             out.setdefault((s, t), []).append(c)
         return out
+
+    def generated_columns(self):
+        # ALIAS, MATERIALIZED and DEFAULT columns: computed from the row's other columns
+        _, rows, _ = self.run(
+            "SELECT database, table, name, default_expression FROM system.columns "
+            "WHERE default_kind IN ('ALIAS', 'MATERIALIZED', 'DEFAULT') AND default_expression <> ''",
+            (), write=False, timeout=None, max_rows=None)
+        return _generated_from_text(rows, self.introspect() if rows else {})
 
     def views(self):
         # as_select names every table with its database; materialized views' too (their rows came from it)

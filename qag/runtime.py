@@ -124,6 +124,7 @@ class CachedColumns:
     gen: int
     columns: dict
     lowered: dict
+    generated: dict | None = None   # {(schema, table) lowercased: {column: sources | None}}, read on first use
 
 
 @dataclass(slots=True)
@@ -266,7 +267,21 @@ class Runtime:
             columns_of(schema, table)
             cols = self.columns[conn_name].columns.get((schema, table))
             return list(cols) if cols is not None else None
+        def generated(schema: str, table: str):
+            """{column: the columns it is computed from, or None (any)} of that table's generated, ALIAS and
+            MATERIALIZED columns (lowercased), read once per generation when a masking rule may apply."""
+            columns_of(schema, table)
+            cached = self.columns[conn_name]
+            if cached.generated is None:
+                read = getattr(connector, "generated_columns", None)
+                got = read() if read is not None else {}
+                cached.generated = {
+                    (s.lower(), t.lower()): {c.lower(): (tuple(x.lower() for x in deps) if deps is not None else None)
+                                             for c, deps in cols.items()}
+                    for (s, t), cols in got.items()}
+            return cached.generated.get((schema.lower(), table.lower()))
         columns_of.exact = exact
+        columns_of.generated = generated
         return columns_of
 
     def functions_of_factory(self, conn_name: str, connector, gen: int):

@@ -169,6 +169,31 @@ class Lineage:
             out = [(n, lin | olin) for (n, lin), (_, olin) in zip(out, other)]
         return out
 
+    def generated_of(self, table):
+        """{column: its sources | None} of a table's generated / ALIAS / MATERIALIZED columns (lowercased), from
+        columns_of.generated when the catalogue gives it."""
+        read = getattr(self._columns_of, "generated", None)
+        if read is None:
+            return None
+        key = ("\x00gen",) + tuple(table)
+        if key not in self._cols_cache:
+            self._cols_cache[key] = read(table[0], table[1])
+        return self._cols_cache[key]
+
+    @staticmethod
+    def _base(table, c, gen):
+        """A base table column's lineage: itself, and when the database computes it from other columns
+        (GENERATED ALWAYS AS (lower(email)), ClickHouse ALIAS email), a value derived from them."""
+        s, t, low = table[0].lower(), table[1].lower(), c.lower()
+        lin = {("c", s, t, low)}
+        if gen and low in gen:
+            deps = gen[low]
+            if deps is None:
+                lin.add(("t", s, t))
+            else:
+                lin |= {("e", s, t, dep) for dep in deps if dep != low}
+        return frozenset(lin)
+
     def columns_of(self, table):
         if table not in self._cols_cache:
             cols = self._columns_of(table[0], table[1]) if self._columns_of else None
@@ -415,7 +440,8 @@ class Lineage:
                 known = self.columns_of(table)
                 cols = None
                 if known is not None:
-                    cols = [(c, frozenset({("c", table[0].lower(), table[1].lower(), c.lower())})) for c in known]
+                    gen = self.generated_of(table)
+                    cols = [(c, self._base(table, c, gen)) for c in known]
                     cols = self._rename(cols, colnames)
                 src = self._src(alias or name, cols, table)
                 for j in node.args.get("joins") or []:       # MySQL UPDATE t JOIN s ...

@@ -34,6 +34,13 @@ def load_file(path: pathlib.Path):
                 schema, _, table = name.strip().rpartition(".")
                 catalogue[(schema, table)] = _split(cols)
                 continue
+            if s.startswith("generated "):
+                # generated schema.table.column: source, ...   (a column the database computes; "*": any column)
+                name, _, deps = s[len("generated "):].partition(":")
+                schema, table, column = name.strip().rsplit(".", 2)
+                srcs = None if deps.strip() == "*" else tuple(_split(deps))
+                catalogue.setdefault("\x00generated", {}).setdefault((schema, table), {})[column] = srcs
+                continue
             if s.startswith("inherits "):
                 # inherits schema.child: schema.parent   (a partition or INHERITS child; repeatable per child)
                 child, _, parent = s[len("inherits "):].partition(":")
@@ -113,6 +120,9 @@ def run_case(catalogue, c):
         calls.append((schema, table))
         return catalogue.get((schema, table))
 
+    generated = catalogue.get("\x00generated")
+    if generated:
+        columns_of.generated = lambda schema, table: generated.get((schema, table))
     views_of = None
     inherits = catalogue.get("\x00inherits")
     if inherits:
