@@ -80,7 +80,7 @@ class RequestIdMiddleware:
 NO_QUERY_NAMES = frozenset((
     "/api/v1/connections/{name}", "/api/v1/connections/test", "/api/v1/queries/{name}", "/api/v1/queries/validate",
     "/api/v1/queries/{name}/publish", "/api/v1/api-keys/{name}",
-    "/api/v1/api-keys/{name}/rotate", "/api/v1/roles/{name}", "/catalog", "/connections/{name}/schema"))
+    "/api/v1/api-keys/{name}/rotate", "/api/v1/roles/{name}", "/connections/{name}/schema"))
 LISTS = frozenset(("/api/v1/connections", "/api/v1/queries", "/api/v1/api-keys", "/api/v1/roles",
                    "/api/v1/queries/{name}/versions"))
 

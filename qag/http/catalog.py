@@ -40,7 +40,9 @@ class Catalog:
         self.app = app
 
     def on_get(self, req, resp):
-        resp.media = {"items": items(self.app, _principal(self.app, req)), "next_cursor": None}
+        from qag.http.manage import list_page  # a list like the Management API's: ?limit=&cursor=
+        principal = _principal(self.app, req)
+        resp.media = list_page(sorted(items(self.app, principal), key=lambda i: i["name"]), req, "name")
 
 
 def items(app, principal) -> list[dict]:

@@ -271,3 +271,14 @@ def test_a_nul_in_a_name_or_a_body_is_a_4xx_on_either_store(request, store):
         r = requests.post(s.base + path, headers={**s.admin, **J}, data=json.dumps(body))
         error(r, 400, "invalid_body")
     assert requests.get(s.base + "/api/v1/api-keys/nul", headers=s.admin).status_code == 404
+
+
+def test_the_catalog_is_a_list_paged_like_the_others(srv):
+    r = requests.get(srv.base + "/catalog?limit=1", headers=srv.key)
+    assert r.status_code == 200, r.text
+    first = r.json()
+    assert [i["name"] for i in first["items"]] == ["orders"] and first["next_cursor"]
+    nxt = requests.get(srv.base + "/catalog", headers=srv.key, params={"limit": 1, "cursor": first["next_cursor"]})
+    assert [i["name"] for i in nxt.json()["items"]] == ["typed"] and nxt.json()["next_cursor"] is None
+    error(requests.get(srv.base + "/catalog?limit=0", headers=srv.key), 400, "invalid_paging")
+    error(requests.get(srv.base + "/catalog?limit=1", headers={"X-API-Key": "sk_nope"}), 401, "unauthorized")
