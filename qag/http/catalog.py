@@ -42,7 +42,8 @@ class Catalog:
     def on_get(self, req, resp):
         from qag.http.manage import list_page  # a list like the Management API's: ?limit=&cursor=
         principal = _principal(self.app, req)
-        resp.media = list_page(sorted(items(self.app, principal), key=lambda i: i["name"]), req, "name")
+        # every query when no limit is asked (what `qag mcp` lists as tools), else pages of `limit`
+        resp.media = list_page(sorted(items(self.app, principal), key=lambda i: i["name"]), req, "name", default=None)
 
 
 def items(app, principal) -> list[dict]:

@@ -71,7 +71,7 @@ def _str_list(body, field):
     return v
 
 
-def list_page(items, req, key, numbered=False):
+def list_page(items, req, key, numbered=False, default: int | None = 100):
     """`{"items": [...], "next_cursor": ...}` with ?limit= and an opaque cursor (the last name seen, with a check
     so that a cursor this server did not give is 400 invalid_cursor rather than a silently different page).
     Any other query-string name is 400 unknown_field."""
@@ -81,7 +81,7 @@ def list_page(items, req, key, numbered=False):
                        "and cursor.", {"fields": sorted(unknown)})
     raw = req.params.get("limit")
     if raw is None or raw == "":
-        limit = 100
+        limit = default if default is not None else max(len(items), 1)
     elif not isinstance(raw, str) or not P.INT_RE.fullmatch(raw) or not 1 <= P.text_int(raw) <= 1000:
         raise ApiError(400, "invalid_paging", "limit must be an integer between 1 and 1000.")
     else:
