@@ -80,6 +80,20 @@ def read_json(req, cfg, *, allow_empty: bool = False, nul_ok: bool = False) -> d
     return body
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _has_surrogate(v) -> bool:
+    if isinstance(v, str):
+        return _SURROGATE.search(v) is not None
+    if isinstance(v, dict):
+        return any(_SURROGATE.search(k) is not None or _has_surrogate(x) for k, x in v.items())
+    if isinstance(v, list):
+        return any(_has_surrogate(x) for x in v)
+    return False
+
+
 def _has_nul(v) -> bool:
     if isinstance(v, str):
         return "\x00" in v
@@ -116,7 +130,11 @@ def parse_json(raw: bytes) -> dict:
     """A request body as a JSON object (RFC 8259 strictly: UTF-8, no NaN/Infinity, no name twice in an object, at
     most a few thousand levels deep); anything else is 400 invalid_body saying why."""
     try:
-        body = json.loads(raw, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+        # UTF-8 only (RFC 8259 8.1; json.loads would also read UTF-16 and UTF-32), and no \\ud800-style escape of
+        # half a surrogate pair, which is no character: no store or driver can take one (a 500 before)
+        body = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+        if _SURROGATE_ESCAPE.search(raw) and _has_surrogate(body):
+            raise _BodyProblem("a \\u escape names half of a UTF-16 surrogate pair, which is not a character")
     except _BodyProblem as exc:
         raise ApiError(400, "invalid_body", f"The request body is not valid JSON: {exc}.") from None
     except (ValueError, UnicodeDecodeError) as exc:

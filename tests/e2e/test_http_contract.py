@@ -53,6 +53,9 @@ def error(r, status, code):
     (b'{"params": {"aid": NaN}}', "NaN"),                         # not JSON (RFC 8259)
     (b'{"params": {"aid": Infinity}}', "Infinity"),
     (b'{"params": {"aid": -Infinity}}', "Infinity"),
+    (b'{"name": "s", "description": "a\\ud800b"}', "surrogate"),      # half a pair: a 500 from the store
+    (b'{"params": {"aid": 1}, "format": "\\udc00"}', "surrogate"),
+    ('{"name": "utf16"}'.encode("utf-16"), "utf-8"),                   # JSON is UTF-8 (RFC 8259 8.1)
 ])
 def test_a_body_that_is_not_strict_json_is_invalid_body(srv, path, raw, why):
     b = error(srv.post(path, raw), 400, "invalid_body")
