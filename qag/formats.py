@@ -231,13 +231,24 @@ def _xlsx_value(v):
     return ILLEGAL_CHARACTERS_RE.sub("", t)
 
 
+def _xlsx_text(ws, v):
+    """A text cell that stays text: openpyxl makes any string starting with '=' a formula (`<f>`), so a value
+    such as =HYPERLINK(...) or =cmd|' /C calc'!A1 from the database would run in the reader's spreadsheet."""
+    if isinstance(v, str) and v.startswith("="):
+        from openpyxl.cell import WriteOnlyCell
+        cell = WriteOnlyCell(ws, value=v)
+        cell.data_type = "s"
+        return cell
+    return v
+
+
 def render_xlsx(columns, rows) -> bytes:
     openpyxl = _need("openpyxl", "xlsx")
     wb = openpyxl.Workbook(write_only=True)
     ws = wb.create_sheet("result")
-    ws.append([str(c) for c in columns])
+    ws.append([_xlsx_text(ws, _xlsx_value(str(c))) for c in columns])
     for r in rows:
-        ws.append([_xlsx_value(v) for v in r])
+        ws.append([_xlsx_text(ws, _xlsx_value(v)) for v in r])
     buf = io.BytesIO()
     wb.save(buf)
     return buf.getvalue()

@@ -285,3 +285,15 @@ def test_the_catalog_is_a_list_paged_like_the_others(srv):
     assert [i["name"] for i in nxt.json()["items"]] == ["typed"] and nxt.json()["next_cursor"] is None
     error(requests.get(srv.base + "/catalog?limit=0", headers=srv.key), 400, "invalid_paging")
     error(requests.get(srv.base + "/catalog?limit=1", headers={"X-API-Key": "sk_nope"}), 401, "unauthorized")
+
+
+def test_xlsx_writes_text_starting_with_equals_as_text_never_a_formula(srv):
+    import io
+    import zipfile
+    r = srv.post("/api/v1/queries", {"name": "inj", "connection_name": "lite", "publish": True,
+                                     "sql": "SELECT '=cmd|'' /C calc''!A1' AS \"=h\", '=1+1' AS v"})
+    assert r.status_code == 201, r.text
+    x = requests.get(srv.base + "/q/inj?format=xlsx", headers=srv.admin)
+    assert x.status_code == 200, x.text
+    sheet = zipfile.ZipFile(io.BytesIO(x.content)).read("xl/worksheets/sheet1.xml").decode()
+    assert "<f>" not in sheet and "=cmd|' /C calc'!A1" in sheet and "=1+1" in sheet and "=h" in sheet
