@@ -268,6 +268,7 @@ def _analyze_cached(sql: str, dialect: str) -> Analysis:
         a = _classify(reading.text, dialect, tree)
         a.sql = sql
         if not isinstance(a.tree, exp.Command):
+            _pg_search_cycle_check(reading.stmt, tree)
             pgparse.cross_check(reading, a.tree if a.explain else tree, _pg_norm)
             pgparse.check_outputs(reading.stmt, a.tree, _pg_norm)
         a.reading = reading
@@ -320,6 +321,27 @@ def _mysql_ansi_reading(sql: str) -> str | None:
             pos = b
     out.append(sql[pos:])
     return "".join(out)
+
+
+def _pg_search_cycle_check(stmt, tree: exp.Expression) -> None:
+    """SEARCH/CYCLE clauses add columns to a recursive CTE (lineage.bind_ctes); sqlglot keeps one per WITH:
+    refused when PostgreSQL's parser reads a different number of them."""
+    from pglast.visitors import Visitor
+
+    class _Count(Visitor):
+        n = 0
+
+        def visit_CommonTableExpr(self, ancestors, node):
+            if node.search_clause is not None or node.cycle_clause is not None:
+                self.n += 1
+
+    counter = _Count()
+    counter(stmt)
+    ours = sum(1 for w in tree.find_all(exp.With) if w.args.get("search") is not None or
+               w.args.get("cycle") is not None)
+    if counter.n != ours:
+        raise GovernanceError(400, "invalid_sql", "qag reads the SEARCH and CYCLE clauses of this statement "
+                                                  "differently from PostgreSQL; write one per WITH, on its last CTE")
 
 
 def _sqlite_string_names(tree: exp.Expression) -> None:

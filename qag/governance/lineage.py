@@ -273,6 +273,27 @@ class Lineage:
             else:
                 # A non-recursive CTE cannot see itself: bind after computing its body.
                 ctes[name] = ("cols", self._rename(self.query(cte.this, ctes, outer), colnames))
+        # PostgreSQL SEARCH ... SET seq / CYCLE ... SET is_cycle USING path add columns holding the rows' values
+        # (seq and path are arrays of records of them): whole values of every column of the CTE (sqlglot keeps
+        # the clause on the WITH, so every CTE of it gets them)
+        extra = []
+        for key in ("search", "cycle"):
+            clause = with_.args.get(key)
+            if isinstance(clause, exp.Expression):
+                for part in ("expression", "using"):
+                    v = clause.args.get(part)
+                    if isinstance(v, exp.Identifier):
+                        extra.append(self.norm(v))
+        if extra:
+            for cte in with_.expressions:
+                alias = cte.args.get("alias")
+                if not isinstance(alias, exp.TableAlias) or alias.this is None:
+                    continue
+                name = self.norm(alias.this)
+                kind, cols = ctes.get(name, (None, None))
+                if kind == "cols" and not isinstance(cols, Unknown):
+                    whole = _whole(self.flat(cols))
+                    ctes[name] = ("cols", list(cols) + [(n, whole) for n in extra])
         return ctes
 
     @staticmethod
