@@ -111,6 +111,53 @@ class MaskRule:
         return self.column(column.lower())
 
 
+def _mysql_case_forbidden(a, schema, allowed_tables, columns_of) -> list[tuple[str, str]]:
+    """MariaDB/MySQL with lower_case_table_names=0 (Linux's default) tell `CUSTOMERS` from `customers`: two
+    tables. A name is the table of exactly that spelling when the catalogue holds one (else the server folds
+    it, and so does the allow-list); the same for an allow-list entry. The tables written with another
+    spelling than the allow-list entry they matched, and that name another table, are forbidden."""
+    exact = getattr(columns_of, "exact", None)
+    if exact is None or not isinstance(a.tree, exp.Expression):
+        return []
+    refs = set(a.table_refs)
+    trees = [a.tree] + ([a.tree.meta["qag_alt"]] if "qag_alt" in a.tree.meta else [])
+    written = set()
+    for tree in trees:
+        for t in tree.find_all(exp.Table):
+            if not isinstance(t.this, exp.Identifier):
+                continue
+            db = t.args.get("db")
+            dbt = db.this if isinstance(db, exp.Identifier) else None
+            if (dbt.lower() if dbt else None, t.this.this.lower()) in refs:
+                written.add((dbt if dbt is not None else schema, t.this.this))
+    if not written:
+        return []
+
+    def ident(db, name):
+        return (db, name) if exact(db, name) is not None else (db.lower(), name.lower())
+
+    entries = set()
+    for e in allowed_tables:
+        parts = split_name(str(e), "postgres")     # keeps quoted parts' case; unquoted: ASCII-folded, undone below
+        raw = [p for p in str(e).replace("`", "").split(".")]
+        if not parts or len(raw) != len(parts):
+            continue
+        db, name = (schema, raw[-1]) if len(raw) == 1 else (raw[-2], raw[-1])
+        entries.add((db, name))
+    allowed_ids = {ident(db, n) for db, n in entries if "*" not in (db, n)}
+    wild = [(db, n) for db, n in entries if "*" in (db, n)]
+    out = []
+    for db, name in written:
+        me = ident(db, name)
+        if me in allowed_ids:
+            continue
+        if any((w[0] == "*" or ident(w[0], "x")[0] == me[0]) and (w[1] == "*" or ident(me[0], w[1])[1] == me[1])
+               for w in wild):
+            continue
+        out.append((db, name))
+    return sorted(out)
+
+
 def _path_resolver(d, schema, search_path, columns_of, views_of):
     """refs -> {(schema, table)}: tables.resolve, except that on PostgreSQL with a search_path of several schemas
     a bare name is the relation of the first schema holding it (exact names, from the catalogue: the columns and
@@ -268,6 +315,8 @@ def plan_governance(*, sql: str, dialect: str, default_schema: str, allowed_tabl
                                   "so a key limited by allowed_tables may not run it",
                                   {"tables": [], "functions": list(dict.fromkeys(from_funcs))})
         bad = forbidden_tables(tables, parse_allowed(allowed_tables, d, schema))
+        if not bad and d == "mysql":
+            bad = _mysql_case_forbidden(a, schema, allowed_tables, columns_of)
         if bad:
             names = [table_text(t) for t in bad]
             via = [table_text(v.name) for v in views if any(t in v.reads for t in bad)]

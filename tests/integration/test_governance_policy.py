@@ -359,3 +359,21 @@ def test_mariadb_generated_column_masked_as_derived(my_app):
     """The same for a MariaDB VIRTUAL column (information_schema.COLUMNS.GENERATION_EXPRESSION)."""
     mysql_exec("ALTER TABLE customers ADD COLUMN email_lc VARCHAR(80) AS (lower(email)) VIRTUAL", database=MY_DB)
     _generated_column_checks(my_app)
+
+
+def test_mariadb_table_names_differing_in_case(my_app):
+    """With lower_case_table_names=0 (Linux's default) `CUSTOMERS` is another table than `customers`: an
+    allow-list naming customers does not let a key read it (it did: names were compared without case)."""
+    if mysql_exec("SELECT @@lower_case_table_names")[0][0] != 0:
+        pytest.skip("this server folds table names")
+    c = my_app
+    mysql_exec("CREATE TABLE CUSTOMERS (id INT, card VARCHAR(20))", database=MY_DB)
+    mysql_exec("INSERT INTO CUSTOMERS VALUES (1, '4111111111111111')", database=MY_DB)
+    query(c, "upper", "SELECT card FROM CUSTOMERS")
+    query(c, "lower", "SELECT id, name FROM customers ORDER BY id")
+    plain, listed, _ = keys(c, ["upper", "lower"], ["customers"], "customers.email")
+    assert call(c, plain, "upper").json == [{"card": "4111111111111111"}]
+    r = call(c, listed, "upper")
+    assert r.status_code == 403 and r.json["code"] == "table_not_allowed" and "4111" not in r.text, r.text
+    assert r.json["tables"] == [f"{MY_DB}.CUSTOMERS"], r.json
+    assert call(c, listed, "lower").json[0] == {"id": 1, "name": "Ada"}
