@@ -514,7 +514,7 @@ class PostgresConnector(Connector):
         opts = self.row.get("options") or {}
         sp = opts.get("schema") or opts.get("search_path")
         if not sp:
-            return ["public"]
+            sp = '"$user", public'      # the server's default: a schema named as the role comes first
         out = []
         for part in str(sp).replace(" ", "").replace("\\", "").split(","):
             name = part[1:-1].replace('""', '"') if len(part) > 1 and part[0] == part[-1] == '"' else part.lower()

@@ -263,7 +263,7 @@ def plan_governance(*, sql: str, dialect: str, default_schema: str, allowed_tabl
                               "queries on it") from None
 
     views: list[_View] = []
-    res = _path_resolver(d, schema, search_path, columns_of, views_of)
+    res = _path_resolver(d, schema, search_path if governed else None, columns_of, views_of)
     direct = res(a.table_refs)
     tables = direct
     unknown: list = []

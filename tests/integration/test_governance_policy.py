@@ -377,3 +377,16 @@ def test_mariadb_table_names_differing_in_case(my_app):
     assert r.status_code == 403 and r.json["code"] == "table_not_allowed" and "4111" not in r.text, r.text
     assert r.json["tables"] == [f"{MY_DB}.CUSTOMERS"], r.json
     assert call(c, listed, "lower").json[0] == {"id": 1, "name": "Ada"}
+
+
+def test_postgresql_default_search_path_puts_the_roles_schema_first(pg_app):
+    """PostgreSQL's default search_path is "$user", public: a schema named as the connection's role is searched
+    first, so a bare name is its table when it has one (it was taken for public's, which the key may read)."""
+    c = pg_app
+    pg_exec(f"postgresql://postgres@127.0.0.1:5432/{PG_DB}",
+            "CREATE SCHEMA postgres; CREATE TABLE postgres.customers (id int, email text);"
+            "INSERT INTO postgres.customers VALUES (1, 'shadow@example.com')")
+    query(c, "bare", "SELECT id, email FROM customers")
+    _, listed, _ = keys(c, ["bare"], ["customers"], "customers.email")
+    r = call(c, listed, "bare")
+    assert r.status_code == 403 and r.json["tables"] == ["postgres.customers"] and "shadow" not in r.text, r.text
