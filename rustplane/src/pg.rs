@@ -17,7 +17,7 @@ use std::error::Error as StdError;
 use std::rc::Rc;
 use std::time::Duration;
 use tokio_postgres::error::SqlState;
-use tokio_postgres::types::{FromSql, Format, IsNull, Kind, ToSql, Type};
+use tokio_postgres::types::{Format, IsNull, Kind, ToSql, Type};
 use tokio_postgres::{Client, NoTls, Statement};
 
 /// A bound value, sent in text format.
@@ -44,23 +44,6 @@ impl ToSql for Arg {
     }
 
     tokio_postgres::types::to_sql_checked!();
-}
-
-/// Any column's raw binary value (None = SQL NULL).
-struct Raw<'a>(Option<&'a [u8]>);
-
-impl<'a> FromSql<'a> for Raw<'a> {
-    fn from_sql(_ty: &Type, raw: &'a [u8]) -> Result<Self, Box<dyn StdError + Sync + Send>> {
-        Ok(Raw(Some(raw)))
-    }
-
-    fn from_sql_null(_ty: &Type) -> Result<Self, Box<dyn StdError + Sync + Send>> {
-        Ok(Raw(None))
-    }
-
-    fn accepts(_ty: &Type) -> bool {
-        true
-    }
 }
 
 /// The text a parameter of PostgreSQL type `ty` gets for value `v`, or None when psycopg2's literal
@@ -471,39 +454,64 @@ impl Lease<Session> {
     }
 }
 
-/// The statement's rows, each decoded as it arrives (no page of `Row`s held first, each one's buffer
-/// referenced until the end). A value the plane cannot render (Ok(Err(why))) still reads the rest, so the
-/// session ends the exchange with nothing owed and goes back to its pool.
+/// The statement's rows, each decoded as it arrives, straight from the DataRow message's bytes (tokio-postgres's
+/// `RowStream::poll_raw_rows`: no `Row` built per row, no page of them held). A value the plane cannot render
+/// (Ok(Err(why))) still reads the rest, so the session ends the exchange with nothing owed and goes back to its
+/// pool.
 async fn read_rows(client: &Client, st: &Statement, args: &[Arg], expect: usize)
                    -> Result<Result<Page, &'static str>, tokio_postgres::Error> {
     let stream = client.query_raw(st, args.iter()).await?;
     futures_util::pin_mut!(stream);
-    let cols = st.columns();
-    let mut page = Page::with_capacity(cols.iter().map(|c| c.name().to_string()).collect(), expect);
+    let types: Vec<&Type> = st.columns().iter().map(|c| c.type_()).collect();
+    let mut page = Page::with_capacity(st.columns().iter().map(|c| c.name().to_string()).collect(), expect);
     let mut failed = None;
-    while let Some(r) = futures_util::TryStreamExt::try_next(&mut stream).await? {
-        if failed.is_some() {
-            continue;
-        }
-        for (i, c) in cols.iter().enumerate() {
-            let cell = match r.try_get::<_, Raw<'_>>(i) {
-                Ok(raw) => decode(c.type_(), raw.0).ok_or("value the plane cannot render"),
-                Err(_) => Err("value decode"),
-            };
-            match cell {
-                Ok(cell) => page.cells.push(cell),
-                Err(why) => {
-                    failed = Some(why);
-                    break;
-                }
+    let mut on_row = |body: &[u8]| {
+        if failed.is_none() {
+            if let Err(why) = decode_row(&types, body, &mut page.cells) {
+                failed = Some(why);
             }
         }
         page.rows += 1;
-    }
+    };
+    std::future::poll_fn(|cx| stream.as_mut().poll_raw_rows(cx, &mut on_row)).await?;
     Ok(match failed {
         Some(why) => Err(why),
         None => Ok(page),
     })
+}
+
+/// One DataRow's body (a big-endian u16 column count, then per column an i32 length, -1 for NULL, and its
+/// bytes) decoded into `cells`, one cell per column of `types`; on failure `cells` is left as it was before.
+fn decode_row(types: &[&Type], body: &[u8], cells: &mut Vec<Cell>) -> Result<(), &'static str> {
+    let before = cells.len();
+    let res = (|| {
+        let n = u16::from_be_bytes(body.get(..2).ok_or("value decode")?.try_into().map_err(|_| "value decode")?);
+        if usize::from(n) != types.len() {
+            return Err("value decode");
+        }
+        let mut p = 2;
+        for ty in types {
+            let len = i32::from_be_bytes(body.get(p..p + 4).ok_or("value decode")?.try_into().map_err(|_| "value decode")?);
+            p += 4;
+            let raw = if len < 0 {
+                None
+            } else {
+                let end = p + len as usize;
+                let v = body.get(p..end).ok_or("value decode")?;
+                p = end;
+                Some(v)
+            };
+            cells.push(decode(ty, raw).ok_or("value the plane cannot render")?);
+        }
+        if p != body.len() {
+            return Err("value decode");
+        }
+        Ok(())
+    })();
+    if res.is_err() {
+        cells.truncate(before);
+    }
+    res
 }
 
 /// The first line of what PostgreSQL said, as connectors.py `_first_line` keeps it (psycopg2's text of a server
@@ -638,6 +646,49 @@ mod tests {
         assert_eq!(timestamp_text(-1).unwrap(), "1999-12-31T23:59:59.999999");
         assert_eq!(time_text(25_193_000_001), "06:59:53.000001");
         assert!(date_text(-800_000).is_none());
+    }
+
+    /// A DataRow body: the column count, then each column's length (-1: NULL) and bytes.
+    fn data_row(cols: &[Option<&[u8]>]) -> Vec<u8> {
+        let mut b = (cols.len() as u16).to_be_bytes().to_vec();
+        for c in cols {
+            match c {
+                None => b.extend_from_slice(&(-1i32).to_be_bytes()),
+                Some(v) => {
+                    b.extend_from_slice(&(v.len() as i32).to_be_bytes());
+                    b.extend_from_slice(v);
+                }
+            }
+        }
+        b
+    }
+
+    #[test]
+    fn data_rows_decoded_in_place() {
+        let types = [&Type::INT4, &Type::TEXT, &Type::INT8, &Type::BOOL];
+        let mut cells = vec![Cell::Int(7)];
+        let row = data_row(&[Some(&42i32.to_be_bytes()), Some("é,x".as_bytes()), None, Some(&[1])]);
+        assert_eq!(decode_row(&types, &row, &mut cells), Ok(()));
+        assert_eq!(cells, vec![Cell::Int(7), Cell::Int(42), Cell::Str("é,x".into()), Cell::Null, Cell::Bool(true)]);
+        // an empty text is a value, not NULL
+        let mut cells = Vec::new();
+        assert_eq!(decode_row(&[&Type::TEXT], &data_row(&[Some(b"")]), &mut cells), Ok(()));
+        assert_eq!(cells, vec![Cell::Str(String::new())]);
+        // no columns (SELECT FROM t): a row of no cells
+        assert_eq!(decode_row(&[], &data_row(&[]), &mut cells), Ok(()));
+        assert_eq!(cells.len(), 1);
+        // malformed bodies and values the plane cannot render fail and leave the cells as they were
+        let mut cells = vec![Cell::Int(1)];
+        assert_eq!(decode_row(&types[..1], &row, &mut cells), Err("value decode")); // 4 columns, 1 expected
+        let mut long = data_row(&[Some(&1i32.to_be_bytes())]);
+        long.push(0);
+        assert_eq!(decode_row(&types[..1], &long, &mut cells), Err("value decode")); // trailing bytes
+        let short = data_row(&[Some(&1i32.to_be_bytes())]);
+        assert_eq!(decode_row(&types[..1], &short[..short.len() - 1], &mut cells), Err("value decode")); // cut short
+        assert_eq!(decode_row(&types[..1], &[0], &mut cells), Err("value decode")); // no count
+        let two = data_row(&[Some(&5i32.to_be_bytes()), Some(&[0xff])]);
+        assert_eq!(decode_row(&[&Type::INT4, &Type::TEXT], &two, &mut cells), Err("value the plane cannot render"));
+        assert_eq!(cells, vec![Cell::Int(1)]);
     }
 
     #[test]
