@@ -177,6 +177,12 @@ def _q(name: str, desc: str, schema=None) -> dict:
             "schema": schema or {"type": "string"}}
 
 
+def list_params() -> list[dict]:
+    """?limit=&cursor= of every paged list (qag/http/manage.py list_page)."""
+    return [_q("limit", "Page size (1-1000, default 100)", {"type": "integer", "minimum": 1, "maximum": 1000}),
+            _q("cursor", "The previous page's next_cursor")]
+
+
 def _call_options() -> list[dict]:
     return [_q("format", "Output format", {"enum": list(render.FORMATS)}),
             _q("page", "Page number, from 1", {"type": "integer", "minimum": 1}),
@@ -245,14 +251,14 @@ def static_paths() -> dict:
                                                                 "stream": {"type": "boolean"},
                                                                 "connection_name": {"type": "string"}}})},
         "/catalog": {"get": _op("catalog", "The saved queries this caller may run", _json(_list_of(
-            "#/components/schemas/CatalogEntry")), errors=public)},
+            "#/components/schemas/CatalogEntry")), errors=public, params=list_params())},
         "/connections/{name}/schema": {"parameters": PATH_NAME, "get": _op(
             "connection_schema", "Tables and columns of a granted connection, as this caller's grants see them",
             _json({"type": "object"}), errors={**public, "403": _err("Connection not granted"),
                                               "404": _err("No such connection")})},
         "/api/v1/connections": {
             "get": _op("list_connections", "List connections", _json("ConnectionList"),
-                       params=[_q("limit", "Page size", {"type": "integer"}), _q("cursor", "From next_cursor")]),
+                       params=list_params()),
             "post": _op("create_connection", "Create a connection", _json("Connection", "Created"), status="201",
                         body=conn_body, errors={**ADMIN_ERRORS, "409": _err("Exists"),
                                                 "502": _err("Unreachable (an active connection is reached first)")})},
@@ -271,7 +277,7 @@ def static_paths() -> dict:
                           errors={**ADMIN_ERRORS, "404": _err("No such connection"), "409": _err("In use")})},
         "/api/v1/queries": {
             "get": _op("list_queries", "List saved queries", _json("QueryList"),
-                       params=[_q("limit", "Page size", {"type": "integer"}), _q("cursor", "From next_cursor")]),
+                       params=list_params()),
             "post": _op("create_query", "Save a query", _json("Query", "Created"), status="201", body=query_body,
                         errors={**ADMIN_ERRORS, "404": _err("No such connection"), "409": _err("Exists")})},
         "/api/v1/queries/validate": {"post": _op(
@@ -290,7 +296,7 @@ def static_paths() -> dict:
         "/api/v1/queries/{name}/versions": {
             "parameters": PATH_NAME,
             "get": _op("list_versions", "List a query's versions", _json("VersionList"),
-                       errors={**ADMIN_ERRORS, "404": _err("No such query")}),
+                       errors={**ADMIN_ERRORS, "404": _err("No such query")}, params=list_params()),
             "post": _op("add_version", "Add a version", _json("Version", "Created"), status="201", body=version_body,
                         errors={**ADMIN_ERRORS, "404": _err("No such query")})},
         "/api/v1/queries/{name}/publish": {
@@ -300,7 +306,7 @@ def static_paths() -> dict:
                         errors={**ADMIN_ERRORS, "404": _err("No such query or version")})},
         "/api/v1/api-keys": {
             "get": _op("list_keys", "List API keys", _json("ApiKeyList"),
-                       params=[_q("limit", "Page size", {"type": "integer"}), _q("cursor", "From next_cursor")]),
+                       params=list_params()),
             "post": _op("create_key", "Create an API key (the secret is in this answer only)",
                         _json("ApiKey", "Created"), status="201", body=key_body,
                         errors={**ADMIN_ERRORS, "404": _err("No such role"), "409": _err("Exists")})},
@@ -316,7 +322,8 @@ def static_paths() -> dict:
             "parameters": PATH_NAME,
             "post": _op("rotate_key", "Rotate a key's secret", _json("ApiKey"),
                         body=body_schema(("grace_minutes",)), errors={**ADMIN_ERRORS, "404": _err("No such key")})},
-        "/api/v1/audit": {"get": _op("audit", "The audit log", _json({"type": "object"}))},
+        "/api/v1/audit": {"get": _op("audit", "The audit log, newest first", _json({"type": "object"}),
+                                     params=list_params())},
         "/api/v1/cache": {
             "get": _op("list_cache", "This host's cached answers of saved queries (cache_ttl), newest first, and "
                        "the response cache's totals", _json("CacheList"),
@@ -332,8 +339,8 @@ def static_paths() -> dict:
                           _json("CacheEviction"), errors={**ADMIN_ERRORS, "404": _err("No such query")})},
         "/api/v1/history": {"get": _op("history", "Run history, newest first", _json("RunList"), params=[
             _q(n, d) for n, d in (("query", "Query name"), ("key", "Key name"), ("status", "HTTP status"),
-                                  ("since", "RFC 3339"), ("until", "RFC 3339"), ("limit", "Page size"),
-                                  ("cursor", "From next_cursor"))])},
+                                  ("since", "RFC 3339"), ("until", "RFC 3339"), ("cursor", "From next_cursor"))]
+            + [_q("limit", "Page size (1-1000, default 100)", {"type": "integer", "minimum": 1, "maximum": 1000})])},
         "/api/v1/usage": {"get": _op("usage", "Calls, errors and rows per period", _json("UsageList"), params=[
             _q("per", "minute, hour or day", {"enum": ["minute", "hour", "day"]}), _q("since", "RFC 3339"),
             _q("until", "RFC 3339"), _q("key", "Key name"), _q("query", "Query name")])},
@@ -348,7 +355,7 @@ def static_paths() -> dict:
                                           {"type": "integer", "minimum": 0, "maximum": 10000000})])},
         "/-/shm": {"get": _op("shm_stat", "The shared segment's state", _json({"type": "object"}))},
         "/api/v1/roles": {
-            "get": _op("list_roles", "List roles", _json({"type": "object"})),
+            "get": _op("list_roles", "List roles", _json({"type": "object"}), params=list_params()),
             "post": _op("create_role", "Create a role (a grant template for signed-in callers and keys)",
                         _json({"type": "object"}, "Created"), status="201", body=_role_body(True),
                         errors={**ADMIN_ERRORS, "409": _err("Exists")})},
