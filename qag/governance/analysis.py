@@ -156,6 +156,8 @@ _MYSQL_EXEC_COMMENT = re.compile(r"/\*M?!", re.IGNORECASE)
 _MYSQL_UNPARSED_UNSAFE = re.compile(r"\binto\s+(?:outfile|dumpfile)\b|\bload\s+(?:data|xml)\b|\bload_file\s*\(",
                                     re.IGNORECASE)
 _CH_UNPARSED_UNSAFE = re.compile(r"\binto\s+outfile\b", re.IGNORECASE)
+_CH_IN_FUNCS = frozenset(f"{g}{n}in{i}".lower() for g in ("", "global") for n in ("", "not", "null", "notnull")
+                         for i in ("", "ignoreset"))
 _CH_GUARDED_SETTINGS = frozenset({"readonly", "log_queries", "log_comment", "send_timeout", "receive_timeout",
                                   "workload", "priority", "enable_http_compression"})
 _CH_HARMLESS_SETTINGS = frozenset({"max_threads", "max_block_size", "max_final_threads", "max_insert_threads"})
@@ -279,6 +281,10 @@ def _analyze_cached(sql: str, dialect: str) -> Analysis:
     if dialect == "sqlite":
         _sqlite_string_names(tree)
     if dialect == "clickhouse":
+        if tree.find(exp.Aliases) is not None:
+            raise GovernanceError(400, "invalid_sql", "ClickHouse reads this statement differently from qag's parser "
+                                                      "(a call such as in(x, t) taken for a name with aliases); "
+                                                      "write x IN (SELECT ...)")
         for node in tree.find_all(exp.Placeholder):
             text = node.sql(dialect="clickhouse").replace(": ", ":") if node.this is not None else "?"
             raise GovernanceError(400, "invalid_sql",
@@ -620,6 +626,28 @@ class _Walker:
             return
         if isinstance(node, exp.Lateral) and isinstance(node.this, exp.Func):
             self._from_func(node.this)
+        if d in ("clickhouse", "sqlite"):
+            # ClickHouse and SQLite read a name on the right of IN (x IN secrets, x IN main.secrets, ClickHouse's
+            # notIn(x, db.secrets), globalInIgnoreSet ...) as a table: a membership test over its rows
+            target = None
+            if isinstance(node, exp.In):
+                target = node.args.get("field")
+            elif d == "clickhouse" and isinstance(node, exp.Anonymous) and func_name(node) in _CH_IN_FUNCS and \
+                    len(node.expressions) > 1:
+                target = node.expressions[1]
+            if d == "sqlite" and isinstance(target, exp.Func):
+                # x IN json_each(...) / IN pragma_table_info('t'): a table-valued function, as in FROM
+                if func_name(target).startswith("pragma_"):
+                    self.refs.append((None, func_name(target)))
+                else:
+                    self._from_func(target)
+            if isinstance(target, exp.Column) and isinstance(target.this, exp.Identifier):
+                db = target.args.get("table")
+                name = normalize_identifier(target.this, d)
+                if db is None and name not in visible:
+                    self.refs.append((None, name))
+                elif isinstance(db, exp.Identifier):
+                    self.refs.append((normalize_identifier(db, d), name))
         if isinstance(node, exp.Func):
             fname = func_name(node)
             if fname in _UNSAFE_FUNCS[d] or fname.startswith(_UNSAFE_PREFIXES[d]):
