@@ -29,10 +29,16 @@ WRITE_OPS = ("insert", "update", "delete", "merge", "replace", "upsert", "create
 MASK_ACTIONS = ("hash", "mask", "null", "drop")
 
 
-def check_name(value, what: str) -> str:
+def check_name(value, what: str, reserved: str | None = None) -> str:
+    """A name for a new connection, query, key or role. `reserved`: the one name a route of its collection
+    already takes (/api/v1/connections/test, /api/v1/queries/validate), which could be saved but never read,
+    changed or deleted at its own address."""
     if not isinstance(value, str) or not NAME_RE.fullmatch(value):
         raise ApiError(400, "invalid_name", f"{what} must be 1-100 characters: letters, digits, '_', '.', '-', "
                        f"starting with a letter or digit.")
+    if reserved is not None and value == reserved:
+        raise ApiError(400, "invalid_name", f"{what} cannot be '{reserved}': that address is a route of its own; "
+                       "pick another name.")
     return value
 
 
@@ -129,11 +135,11 @@ def read_cursor(cursor) -> str:
 CONN_FIELDS = ("name", "db", "host", "port", "user", "password", "database", "active", "options")
 
 
-def validate_connection(body: dict, partial: bool = False) -> dict:
+def validate_connection(body: dict, partial: bool = False, probe: bool = False) -> dict:
     check_fields(body, CONN_FIELDS, () if partial else ("name", "db"))
     out = {}
     if "name" in body and not partial:
-        out["name"] = check_name(body["name"], "name")
+        out["name"] = check_name(body["name"], "name", None if probe else "test")  # /test names none it saves
     if "db" in body:
         if body["db"] not in DBS:
             raise ApiError(400, "invalid_field", f"db must be one of {', '.join(DBS)}.", {"field": "db"})
@@ -281,7 +287,7 @@ class ConnectionTest:
             password = store.connection_password(row)
         else:
             body.setdefault("name", "test")
-            c = validate_connection(body)
+            c = validate_connection(body, probe=True)
             row = {"name": c["name"], "db": c["db"], "host": c.get("host"), "port": c.get("port"),
                    "user": c.get("user"), "database": c.get("database"), "options": c.get("options") or {},
                    "active": True}
@@ -428,7 +434,7 @@ class Queries:
         p = require_admin(self.app, req)
         body = read_json(req, self.app.cfg)
         check_fields(body, QUERY_FIELDS, ("name", "connection_name", "sql"))
-        name = check_name(body["name"], "name")
+        name = check_name(body["name"], "name", "validate")
         conn_name = body["connection_name"]
         if not isinstance(conn_name, str):
             raise _type_error("connection_name", "a string")
@@ -458,7 +464,7 @@ class QueryValidate:
             body = read_json(req, self.app.cfg)
             check_fields(body, QUERY_FIELDS, ("connection_name", "sql"))
             if "name" in body:
-                check_name(body["name"], "name")
+                check_name(body["name"], "name", "validate")
             conn_name = body["connection_name"]
             if not isinstance(conn_name, str):
                 raise _type_error("connection_name", "a string")

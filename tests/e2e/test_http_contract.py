@@ -297,3 +297,14 @@ def test_xlsx_writes_text_starting_with_equals_as_text_never_a_formula(srv):
     assert x.status_code == 200, x.text
     sheet = zipfile.ZipFile(io.BytesIO(x.content)).read("xl/worksheets/sheet1.xml").decode()
     assert "<f>" not in sheet and "=cmd|' /C calc'!A1" in sheet and "=1+1" in sheet and "=h" in sheet
+
+
+def test_names_that_are_routes_of_their_collection_are_refused(srv, tmp_path):
+    # saved, they could never be read, changed or deleted at their address (GET /api/v1/connections/test is 405)
+    b = error(srv.post("/api/v1/connections", {"name": "test", "db": "sqlite", "database": str(tmp_path / "t.db"),
+                                               "active": False}), 400, "invalid_name")
+    assert "test" in b["error"]
+    error(srv.post("/api/v1/queries", {"name": "validate", "connection_name": "lite", "sql": "SELECT 1 AS x"}), 400,
+          "invalid_name")
+    r = srv.post("/api/v1/connections/test", {"db": "sqlite", "database": str(tmp_path / "t.db")})
+    assert r.status_code == 502 and r.json()["code"] == "connection_failed"  # /test itself still takes a body
