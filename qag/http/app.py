@@ -35,11 +35,12 @@ class RequestIdMiddleware:
             req.env["qag.behind_plane"] = True
         req.context.request_id = request_id(req)
         req.context.started = time.perf_counter()
-        if req.method == "GET" and (req.content_length or req.get_header("Transfer-Encoding")):
-            # A GET's body means nothing in HTTP: parameters sent there would be silently ignored, so the call
-            # is refused rather than run without them.
-            raise ApiError(400, "invalid_body", "A GET carries no body; send the values in the query string, or "
-                           "POST the JSON body (POST /q/<name> takes {\"params\": {...}}).")
+        if req.method in NO_BODY and (req.content_length or req.get_header("Transfer-Encoding")):
+            # A GET's or DELETE's body means nothing here: what it says would be silently ignored (DELETE
+            # /api/v1/cache with {"query": "x"} evicted every query), so the call is refused rather than run
+            # without it.
+            raise ApiError(400, "invalid_body", f"A {req.method} carries no body here; send the values in the query "
+                           "string (POST /q/<name> takes a JSON body {\"params\": {...}}).")
 
     def process_resource(self, req, resp, resource, params):
         qs = req.query_string
@@ -74,6 +75,8 @@ class RequestIdMiddleware:
             self.app.observer.request(route or "other", status, code, 0,
                                       time.perf_counter() - req.context.get("started", time.perf_counter()))
 
+
+NO_BODY = frozenset(("GET", "HEAD", "DELETE"))
 
 # Routes whose query string carries nothing (any name given there is 400 unknown_field, not silently ignored), and
 # collections whose GET is a list (?limit=&cursor=, checked by manage.list_page) but whose POST takes none.

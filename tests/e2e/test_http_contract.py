@@ -70,12 +70,18 @@ def test_a_body_sent_as_another_media_type_is_invalid_body(srv, ctype):
     assert r.status_code == 200 and [x["id"] for x in r.json()] == [2]
 
 
-def test_a_get_with_a_body_is_refused_not_run_without_it(srv):
+def test_a_get_or_delete_with_a_body_is_refused_not_run_without_it(srv):
     r = requests.get(srv.base + "/q/orders", headers={**srv.key, **J}, data=json.dumps({"params": {"aid": 2}}))
     error(r, 400, "invalid_body")
     r = requests.get(srv.base + "/api/v1/connections", headers={**srv.admin, **J}, data=b'{"x": 1}')
     error(r, 400, "invalid_body")
     assert requests.get(srv.base + "/q/orders", headers=srv.key).status_code == 200
+    # a DELETE's body would be ignored too: DELETE /api/v1/cache {"query": "orders"} evicted every query's answers
+    r = requests.delete(srv.base + "/api/v1/cache", headers={**srv.admin, **J}, data=b'{"query": "orders"}')
+    error(r, 400, "invalid_body")
+    r = requests.delete(srv.base + "/api/v1/api-keys/k", headers={**srv.admin, **J}, data=b'{}')
+    error(r, 400, "invalid_body")
+    assert requests.get(srv.base + "/api/v1/api-keys/k", headers=srv.admin).status_code == 200
 
 
 # -- numbers, options and parameters given once -------------------------------------------------------------
@@ -223,7 +229,8 @@ def test_a_query_string_that_is_not_utf8_is_refused_not_read_as_replacement_char
 ])
 def test_a_query_string_name_a_route_does_not_take_is_unknown_field(srv, method, path):
     h = {**(srv.key if path.startswith(("/catalog", "/connections")) else srv.admin), **J}
-    r = requests.request(method, srv.base + path + "?dry_run=true", headers=h, data=None if method == "GET" else b"{}")
+    r = requests.request(method, srv.base + path + "?dry_run=true", headers=h,
+                         data=None if method in ("GET", "DELETE") else b"{}")
     error(r, 400, "unknown_field")
     assert requests.get(srv.base + "/api/v1/api-keys/k", headers=srv.admin).status_code == 200  # not deleted
 
