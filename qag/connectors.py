@@ -1080,8 +1080,9 @@ class SQLiteConnector(Connector):
                                 write=False, timeout=None, max_rows=None)
         out: dict[tuple[str, str], list[str]] = {}
         for (t,) in tables:
-            _, cols, _ = self.run("SELECT name FROM pragma_table_info(?) ORDER BY cid", (t,), write=False,
-                                  timeout=None, max_rows=None)
+            # table_xinfo: generated columns too (hidden 2, 3), which SELECT * returns; not a virtual table's hidden
+            _, cols, _ = self.run("SELECT name FROM pragma_table_xinfo(?) WHERE hidden <> 1 ORDER BY cid", (t,),
+                                  write=False, timeout=None, max_rows=None)
             out[("main", t.lower())] = [c[0] for c in cols]
         return out
 

@@ -215,6 +215,7 @@ def test_sqlite_and_clickhouse_views_read_from_the_database(tmp_path):
     try:
         assert set(lite.views()) == {("main", "contacts")}
         assert lite.generated_columns() == {("main", "people"): {"email_lc": None}}   # from any column of its row
+        assert lite.introspect()[("main", "people")] == ["id", "email", "email_lc"]   # as SELECT * returns them
         p = _plan_through(lite, "SELECT cid, contact FROM contacts", [{"column": "customers.email", "action": "mask"}])
         assert p.transforms == (None, "mask")
     finally:
