@@ -19,7 +19,7 @@ import falcon
 from qag import __version__
 from qag.auth import Auth
 from qag.errors import ApiError, DomainError
-from qag.http import cache, catalog, console, data, manage, ops, roles, runs
+from qag.http import cache, catalog, console, data, manage, mcp, ops, roles, runs
 from qag.http import errors as http_errors
 from qag.http.common import request_id
 from qag.metrics import Observer
@@ -166,6 +166,7 @@ class QagApp:
         cache.register(self)
         ops.register(self)
         runs.register(self)
+        mcp.register(self)
         self.falcon.add_sink(self._not_found, r"/")
 
     def __call__(self, environ, start_response):

@@ -131,8 +131,9 @@ def authenticate(c: Call, given: dict) -> None:
         env.get("HTTP_X_API_KEY"), env.get("HTTP_AUTHORIZATION"), client_addr(req))
     c.principal = principal
     run["key_name"] = None if principal.admin else principal.caller
-    if env.get("HTTP_X_QAG_VIA") == "mcp" and client_addr(req) in ("127.0.0.1", "::1"):
-        run["served_by"], run["transport"] = "mcp", "mcp"   # a tool call of `qag mcp` on this host
+    if env.get("qag.via") == "mcp" or env.get("HTTP_X_QAG_VIA") == "mcp" and client_addr(req) in ("127.0.0.1",
+                                                                                                  "::1"):
+        run["served_by"], run["transport"] = "mcp", "mcp"   # a tool call of /mcp, or of `qag mcp` on this host
     if env.get("qag.too_many_calls"):  # the worker found this key's queue full (qag/server/gworker.py)
         raise ApiError(429, "too_many_calls", "This key has too many calls waiting in this worker; wait "
                        "for some to finish and retry in 1 s.", {"retry_after": 1}, {"Retry-After": "1"})

@@ -150,6 +150,15 @@ ADMIN_ERRORS = {"400": _err("Bad input"), "401": _err("No or bad key"), "403": _
 PATH_NAME = [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}]
 
 
+# A JSON-RPC 2.0 answer of /mcp: a result, or an error with its code and message.
+JSONRPC_MESSAGE = {"type": "object", "required": ["jsonrpc"],
+                   "properties": {"jsonrpc": {"const": "2.0"}, "id": {"type": ["string", "integer", "null"]},
+                                  "result": {"type": "object"},
+                                  "error": {"type": "object", "required": ["code", "message"],
+                                            "properties": {"code": {"type": "integer"},
+                                                           "message": {"type": "string"}}}}}
+
+
 # One Server-Sent Event of /events (OpenAPI 3.1 has no itemSchema: the schema of a text/event-stream response is
 # the schema of each event, as its fields are parsed): `data` is one run as JSON.
 SSE_EVENT = {"type": "object", "required": ["data"],
@@ -161,7 +170,7 @@ SSE_EVENT = {"type": "object", "required": ["data"],
 
 def _op(op_id: str, summary: str, ok: dict, *, status="200", body: dict | None = None, errors=None,
         params=None) -> dict:
-    signed_in = op_id in ("run_query", "run_query_post", "catalog", "connection_schema")
+    signed_in = op_id in ("run_query", "run_query_post", "catalog", "connection_schema", "events", "mcp")
     out = {"operationId": op_id, "summary": summary,
            "security": [{"apiKey": []}, {"bearer": []}] if signed_in else [{"apiKey": []}],
            "responses": {status: ok, **(errors or ADMIN_ERRORS)}}
@@ -250,6 +259,13 @@ def static_paths() -> dict:
                                                                 "timeout": {"type": "number"},
                                                                 "stream": {"type": "boolean"},
                                                                 "connection_name": {"type": "string"}}})},
+        "/mcp": {"post": _op("mcp", "MCP over streamable HTTP, stateless (JSON-RPC 2.0, one message a request): "
+                             "initialize, ping, tools/list (the queries this caller may run that read), tools/call "
+                             "(run as /q, recorded with served_by mcp)", _json(JSONRPC_MESSAGE, "A JSON-RPC answer"),
+                             body={"type": "object"},
+                             errors={"202": {"description": "A notification or the client's response: accepted"},
+                                     "400": _json(JSONRPC_MESSAGE, "A malformed JSON-RPC message (its error)"),
+                                     "401": _err("No or bad key or token"), "413": _err("Body too large")})},
         "/catalog": {"get": _op("catalog", "The saved queries this caller may run", _json(_list_of(
             "#/components/schemas/CatalogEntry")), errors=public, params=list_params())},
         "/connections/{name}/schema": {"parameters": PATH_NAME, "get": _op(

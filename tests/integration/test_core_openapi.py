@@ -56,6 +56,9 @@ def test_operations_carry_schemas_and_error_bodies(seeded):
             if "{name}" in path:
                 assert any(p["name"] == "name" and p["in"] == "path" for p in item.get("parameters", [])), path
             for status, r in op["responses"].items():
+                if path == "/mcp" and status in ("202", "400"):
+                    # MCP's own envelope: a malformed message is a JSON-RPC error, an accepted notification empty
+                    continue
                 if status[0] in "45":
                     assert r["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/Error"}, \
                         (path, method, status)
