@@ -156,8 +156,10 @@ def ok(resp, body, status=200, no_store=False):
 
 def require_admin(app, req):
     # The Console calls this API in-process as its signed-in administrator, through a WSGI environ key that no
-    # request header can set (qag/http/console); everyone else authenticates with X-API-Key.
-    p = req.env.get("qag.console_principal") or app.auth.authenticate(req.get_header("X-API-Key"), client_addr(req))
+    # request header can set (qag/http/console); everyone else authenticates as on /q: a bad credential is 401, a
+    # good one that is not an administrator's (a key, a signed-in caller) 403.
+    p = req.env.get("qag.console_principal") or app.auth.authenticate_caller(
+        req.get_header("X-API-Key"), req.get_header("Authorization"), client_addr(req))
     if not p.admin:
         raise ApiError(403, "forbidden", "This route is for administrators; use QAG_ADMIN_KEY or an administrator "
                        "token.")

@@ -292,3 +292,16 @@ def test_many_callers_cannot_fill_the_segment_for_everyone(idp, tmp_path):
         assert "Traceback" not in s.log()
     finally:
         s.stop()
+
+
+def test_a_signed_in_caller_is_403_on_management_routes_and_a_bad_token_401(srv, idp):
+    good, bad = {"Authorization": f"Bearer {idp.token()}"}, {"Authorization": "Bearer not.a.token"}
+    assert requests.get(srv.base + "/q/notes", headers=good, timeout=10).status_code == 200
+    for path in ("/api/v1/api-keys", "/api/v1/history", "/api/v1/roles", "/-/shm"):
+        r = requests.get(srv.base + path, headers=good, timeout=10)
+        assert r.status_code == 403 and r.json()["code"] == "forbidden", (path, r.status_code)
+        r = requests.get(srv.base + path, headers=bad, timeout=10)
+        assert r.status_code == 401 and r.json()["code"] == "unauthorized", path
+    r = requests.post(srv.base + "/api/v1/api-keys", json={"name": "by-jwt", "queries": ["*"]}, headers=good,
+                      timeout=10)
+    assert r.status_code == 403
