@@ -263,3 +263,29 @@ def test_a_session_expires(server_factory):
     # sent by hand: the server, not the browser's Max-Age, must end the session
     r = requests.get(srv.base + "/console/audit", cookies={"qag_console": sid}, allow_redirects=False, timeout=10)
     assert r.status_code == 303 and "/console/login" in r.headers["location"]
+
+
+def test_a_revoked_administrator_token_signs_the_browser_out(srv, browser):
+    """A session opened with a named administrator token ends when the token is revoked: the next page the browser
+    asks for is the sign-in form, and the cookie it still holds opens nothing."""
+    import subprocess
+    import sys
+
+    from selenium.webdriver.common.by import By
+    made = subprocess.run([sys.executable, "-m", "qag.cli", "admins", "create", "browser-ops"], env=srv.env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    token = made.stdout.split()[0]
+    d = browser
+    d.delete_all_cookies()
+    sign_in(d, srv, token)
+    d.get(srv.base + "/console/keys")
+    assert "/console/keys" in d.current_url and d.find_elements(By.NAME, "csrf")
+    cookie = d.get_cookie("qag_console")["value"]
+    gone = subprocess.run([sys.executable, "-m", "qag.cli", "admins", "revoke", "browser-ops"], env=srv.env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert gone.returncode == 0, gone.stderr
+    d.get(srv.base + "/console/keys")
+    assert "/console/login" in d.current_url, d.current_url
+    r = requests.get(srv.base + "/console/keys", cookies={"qag_console": cookie}, allow_redirects=False, timeout=10)
+    assert r.status_code == 303 and "/console/login" in r.headers["location"]
