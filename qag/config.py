@@ -204,7 +204,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("mask_key", "QAG_MASK_KEY", _str, "", "HMAC key for hash masking; empty: a key generated once and kept in the store.", "str"),
     Setting("max_body_bytes", "QAG_MAX_BODY_BYTES", _pos_int, "1048576", "Largest request body accepted (413 above it).", "bytes"),
     Setting("max_param_bytes", "QAG_MAX_PARAM_BYTES", _pos_int, "65536", "Largest single parameter value accepted.", "bytes"),
-    Setting("metrics_token", "QAG_METRICS_TOKEN", _str, "", "Bearer token required by /metrics (empty: public).", "str"),
+    Setting("metrics_token", "QAG_METRICS_TOKEN", _str, "", "Bearer token required by /metrics (empty: public); an administrator's X-API-Key opens it too.", "str"),
     Setting("shm_size", "QAG_SHM_SIZE", _pos_int, "67108864", "Size in bytes of the shared-memory segment.", "bytes"),
     Setting("response_cache_redis", "QAG_RESPONSE_CACHE_REDIS", _bool, "1", "With QAG_REDIS_URL: cached answers are shared across hosts through Redis too (a second tier behind each host's segment); 0: each host's own only.", "bool"),
     Setting("response_cache_mb", "QAG_RESPONSE_CACHE_MB", _auto_or_nonneg, "auto", "MiB of the shared-memory segment that hold saved queries' cached answers (cache_ttl), shared by the host's workers and the plane; at most half of what the segment's fixed tables leave (about 31 with the default QAG_SHM_SIZE), and a value past that stops the start; auto: 16, or what fits when QAG_SHM_SIZE is smaller; 0: answers are not cached.", "auto|MiB"),

@@ -6,6 +6,7 @@ import hmac
 from qag import __version__
 from qag.errors import ApiError
 from qag.http import openapi
+from qag.http.common import client_addr
 
 
 class Health:
@@ -26,10 +27,21 @@ class Metrics:
         if token:
             scheme, _, given = (req.get_header("Authorization") or "").partition(" ")
             # the scheme is case-insensitive (RFC 9110 11.1); the token is compared in constant time
-            if not (scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())):
+            if not (scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())) \
+                    and not self._administrator(req):
                 raise ApiError(401, "unauthorized", "Give the metrics token as Authorization: Bearer <token>.")
         resp.content_type = "text/plain; version=0.0.4; charset=utf-8"
         resp.data = self.app.observer.render()
+
+    def _administrator(self, req) -> bool:
+        """An administrator's X-API-Key (QAG_ADMIN_KEY or a named token) opens /metrics too; a scoped key does not."""
+        secret = req.get_header("X-API-Key")
+        if not secret:
+            return False
+        try:
+            return self.app.auth.authenticate(secret, client_addr(req)).admin
+        except ApiError:
+            return False
 
 
 def register(app) -> None:

@@ -215,11 +215,15 @@ def test_a_token_naming_its_own_key_is_refused_and_nothing_is_fetched(srv, idp, 
 def test_metrics_token_scheme_is_case_insensitive_and_the_token_is_not(srv):
     for auth in ("Bearer metrics-token-1", "bearer metrics-token-1", "BEARER metrics-token-1"):
         assert requests.get(srv.base + "/metrics", headers={"Authorization": auth}, timeout=10).status_code == 200
+    key = srv.post("/api/v1/api-keys", {"name": "metrics-reader", "queries": ["notes"]}).json()["secret"]
     for headers in ({}, {"Authorization": "Bearer METRICS-TOKEN-1"}, {"Authorization": "Bearer metrics-token"},
                     {"Authorization": "Basic bWV0cmljcy10b2tlbi0x"}, {"Authorization": "metrics-token-1"},
-                    srv.admin):
+                    {"X-API-Key": key}, {"X-API-Key": "sk_wrong"},
+                    {"Authorization": "Bearer " + srv.admin["X-API-Key"]}):
         r = requests.get(srv.base + "/metrics", headers=headers, timeout=10)
         assert r.status_code == 401 and r.json()["code"] == "unauthorized", headers
+    # the administrator's key works everywhere, /metrics included
+    assert requests.get(srv.base + "/metrics", headers=srv.admin, timeout=10).status_code == 200
 
 
 def test_ratelimit_headers_are_integers(srv):
