@@ -138,6 +138,12 @@ class QagResponse(wsgi.Response):
                     and not gutil.is_hoppish(name) and (name == "content-length" or name.lower() != "content-length"):
                 names.add(name)  # gunicorn took it: a valid token (it raises otherwise), kept as it is
 
+    def default_headers(self):
+        # No `Server: gunicorn`: an answer the data plane writes itself has no Server header, so one that had it
+        # said which process answered, and a 401 said whether the plane knew the key (a real key outside its
+        # allowed_ips was answered by the plane, an unknown one by gunicorn): every 401 must look alike.
+        return [h for h in super().default_headers() if not h.startswith("Server:")]
+
 
 def _hooks(cfg, log):
     """(pre_request, post_request, timed) for handle_request: gunicorn's default hooks are None when they would do

@@ -6,6 +6,7 @@ with the scheme in any case; RateLimit-Remaining is an integer; /openapi.json li
 from __future__ import annotations
 
 import http.server
+import json
 import re
 import sqlite3
 import subprocess
@@ -309,3 +310,55 @@ def test_a_signed_in_caller_is_403_on_management_routes_and_a_bad_token_401(srv,
     r = requests.post(srv.base + "/api/v1/api-keys", json={"name": "by-jwt", "queries": ["*"]}, headers=good,
                       timeout=10)
     assert r.status_code == 403
+
+
+# -- every 401 alike, through the data plane too ----------------------------------------------------------------------
+def _refusal(base, headers) -> tuple:
+    import http.client
+    c = http.client.HTTPConnection(base.split("//")[1], timeout=10)
+    c.putrequest("GET", "/q/t", skip_accept_encoding=True)
+    for k, v in headers:
+        c.putheader(k, v)
+    c.endheaders()
+    r = c.getresponse()
+    body = json.loads(r.read())
+    c.close()
+    body.pop("request_id")
+    return r.status, body, sorted(k.lower() for k, _ in r.getheaders() if k.lower() not in ("date",))
+
+
+def test_every_401_is_alike_through_the_plane(plane, tmp_path):
+    """The plane answers a key it knows (warm) itself and forwards an unknown one to gunicorn, which signed its
+    answers `Server: gunicorn`: a real key outside its allowed_ips was told apart from a made-up one."""
+    data = str(tmp_path / "d.db")
+    db = sqlite3.connect(data)
+    db.executescript("CREATE TABLE t (id INTEGER); INSERT INTO t VALUES (1);")
+    db.commit()
+    db.close()
+    s = start_server({"QAG_WORKERS": "1", "QAG_PLANE_BIN": plane},
+                     args=("--workers", "1", "--plane", "--plane-threads", "1"))
+    try:
+        post = lambda p, b: requests.post(s.base + p, json=b, headers=s.admin, timeout=10)
+        assert post("/api/v1/connections", {"name": "d", "db": "sqlite", "database": data}).status_code == 201
+        assert post("/api/v1/queries", {"name": "t", "connection_name": "d", "sql": "SELECT id FROM t",
+                                        "publish": True}).status_code == 201
+        fenced = post("/api/v1/api-keys", {"name": "fenced", "queries": ["t"],
+                                           "allowed_ips": ["10.0.0.0/8"]}).json()["secret"]
+        revoked = post("/api/v1/api-keys", {"name": "gone", "queries": ["t"]}).json()["secret"]
+        assert requests.get(s.base + "/q/t", headers={"X-API-Key": revoked}, timeout=10).status_code == 200
+        assert requests.patch(s.base + "/api/v1/api-keys/gone", json={"active": False}, headers=s.admin,
+                              timeout=10).status_code == 200
+        for _ in range(3):  # warm: the plane holds both keys' entries now
+            requests.get(s.base + "/q/t", headers={"X-API-Key": fenced}, timeout=10)
+        seen = {}
+        for why, headers in {"none": [], "unknown": [("X-API-Key", "sk_made_up")], "empty": [("X-API-Key", "")],
+                             "outside allowed_ips": [("X-API-Key", fenced)],
+                             "spoofed address": [("X-API-Key", fenced), ("X-Qag-Client-Addr", "10.1.2.3"),
+                                                 ("X-Forwarded-For", "10.1.2.3")],
+                             "revoked": [("X-API-Key", revoked)], "bad token": [("Authorization", "Bearer a.b.c")]
+                             }.items():
+            seen[why] = _refusal(s.base, headers)
+            assert seen[why][0] == 401, (why, seen[why])
+        assert len({repr(v) for v in seen.values()}) == 1, seen
+    finally:
+        s.stop()
