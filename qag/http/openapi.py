@@ -170,7 +170,7 @@ SSE_EVENT = {"type": "object", "required": ["data"],
 
 def _op(op_id: str, summary: str, ok: dict, *, status="200", body: dict | None = None, errors=None,
         params=None) -> dict:
-    signed_in = op_id in ("run_query", "run_query_post", "catalog", "connection_schema", "events", "mcp")
+    signed_in = op_id in ("run_query", "run_query_post", "catalog", "connection_schema", "mcp")
     out = {"operationId": op_id, "summary": summary,
            "security": [{"apiKey": []}, {"bearer": []}] if signed_in else [{"apiKey": []}],
            "responses": {status: ok, **(errors or ADMIN_ERRORS)}}
@@ -365,10 +365,7 @@ def static_paths() -> dict:
                                 "content": {"text/event-stream": {"schema": SSE_EVENT}}},
                                errors={"400": _err("Malformed Last-Event-ID"), "401": _err("No or bad key"),
                                        "503": _err("Too many subscribers")},
-                               params=[_q("last_event_id", "Resume after this event id",
-                                          {"type": "integer", "minimum": 0}),
-                                       _q("limit", "End the stream after this many events (0: follow)",
-                                          {"type": "integer", "minimum": 0, "maximum": 10000000})])},
+                               params=[_q("last_event_id", "Resume after this event id", {"type": "integer"})])},
         "/-/shm": {"get": _op("shm_stat", "The shared segment's state", _json({"type": "object"}))},
         "/api/v1/roles": {
             "get": _op("list_roles", "List roles", _json({"type": "object"}), params=list_params()),
