@@ -592,6 +592,8 @@ class _Walker:
                 value = [v for v in value if not self._is_delete_alias(node, v)]
             if isinstance(node, exp.Table) and key in ("this", "db", "catalog") and isinstance(value, exp.Identifier):
                 continue
+            if isinstance(node, exp.Table) and key == "indexed":
+                continue    # SQLite INDEXED BY <index>: an index of this table, not a table
             if isinstance(value, list):
                 for v in value:
                     self.walk(v, visible)
