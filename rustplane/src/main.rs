@@ -16,6 +16,12 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+/// mimalloc rather than glibc's malloc: a call allocates a page's cells, its body, headers and the database
+/// driver's buffers, and glibc's free lists (consolidation on every large request included) were ~13% of the
+/// plane's samples on a 100-row page; mimalloc took the plane's CPU per such page down ~13% (2026-12-06).
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const USAGE: &str = "usage: qag-plane --listen HOST:PORT --upstream unix:/path|HOST:PORT --segment /qag-xxxx --slot N \
 --threads T [--pin-cpus 0,1] --home QAG_HOME";
 
