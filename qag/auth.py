@@ -187,6 +187,10 @@ class Auth:
                 k = (field, key_name)
                 window = self._windows.get(k)
                 if window is None or window[0] != start:
+                    if window is None and len(self._windows) >= MAX_LOCAL_WINDOWS:
+                        # callers have no bound (signed-in subjects): a window of a past period counts nothing
+                        for old in [w for w, v in self._windows.items() if v[0] < start]:
+                            del self._windows[old]
                     window = [start, 0]
                     self._windows[k] = window
                 if window[1] >= count:
@@ -221,6 +225,7 @@ class Auth:
 
 
 _UNSET = object()
+MAX_LOCAL_WINDOWS = 10000  # this worker's own limit windows (no segment, or no room in it) before past ones go
 
 
 def caller_of(sub) -> str:
