@@ -241,7 +241,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("jwt_secret", "QAG_JWT_SECRET", _str, "", "Shared secret for HS256 tokens of signed-in callers (empty: HS256 refused).", "str"),
     Setting("jwt_jwks_url", "QAG_JWT_JWKS_URL", _str, "", "JWKS URL of the identity provider for RS256/ES256 tokens (empty: refused).", "url"),
     Setting("jwt_issuer", "QAG_JWT_ISSUER", _str, "", "Required iss of tokens (empty: not checked).", "str"),
-    Setting("jwt_audience", "QAG_JWT_AUDIENCE", _str, "", "Required aud of tokens (empty: not checked).", "str"),
+    Setting("jwt_audience", "QAG_JWT_AUDIENCE", _str, "", "Required aud of tokens (empty: a token that names an audience is refused).", "str"),
     Setting("jwt_role_claim", "QAG_JWT_ROLE_CLAIM", _str, "role", "The claim naming a signed-in caller's role.", "str"),
     Setting("jwt_leeway_seconds", "QAG_JWT_LEEWAY_SECONDS", _nonneg_int, "30", "Clock skew allowed on exp and nbf.", "seconds"),
     Setting("log_params", "QAG_LOG_PARAMS", _bool, "0", "Log the database's words as they are, parameter values included (default: each value replaced by [value]).", "bool"),

@@ -6,8 +6,9 @@ bound to a verified claim.
   is chosen by the token's `alg` among the algorithms the configuration allows, so an HMAC token is only ever
   checked against the shared secret (never against a public key: no algorithm confusion) and `alg: none` is never
   accepted. `exp` is required; `nbf`, `iss` (`QAG_JWT_ISSUER`) and `aud` (`QAG_JWT_AUDIENCE`) are checked with
-  `QAG_JWT_LEEWAY_SECONDS` of clock skew. A token whose header names or carries a key (`jku`, `x5u`, `jwk`,
-  `x5c`) is refused without fetching anything. Every failure is 401 `unauthorized`, indistinguishable from a bad
+  `QAG_JWT_LEEWAY_SECONDS` of clock skew; without QAG_JWT_AUDIENCE a token naming any audience is refused. A
+  token whose header names or carries a key (`jku`, `x5u`, `jwk`, `x5c`) is refused without fetching anything.
+  Every failure is 401 `unauthorized`, indistinguishable from a bad
   key.
 - **Roles** (`/api/v1/roles`) are named grant templates, the grants of a key. A signed-in caller's role is the
   claim `QAG_JWT_ROLE_CLAIM` (default `role`). A role's changes reach its callers on their next call: a role is
@@ -104,9 +105,10 @@ class Verifier:
                 key, algs = key.key, [alg]
             else:
                 raise jwt.InvalidTokenError("algorithm not allowed")
+            # aud is always verified: with no QAG_JWT_AUDIENCE a token that names an audience is refused, since
+            # qag cannot be it (RFC 7519 4.1.3: a JWT whose aud does not name its processor MUST be rejected)
             claims = jwt.decode(token, key, algorithms=algs, audience=self.audience, issuer=self.issuer,
-                                leeway=self.leeway, options={"require": ["exp"], "verify_aud": self.audience
-                                                             is not None})
+                                leeway=self.leeway, options={"require": ["exp"]})
         except ApiError:
             raise
         except Exception:  # noqa: BLE001 - every reason is the same 401 (no oracle)

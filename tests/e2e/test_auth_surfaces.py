@@ -362,3 +362,27 @@ def test_every_401_is_alike_through_the_plane(plane, tmp_path):
         assert len({repr(v) for v in seen.values()}) == 1, seen
     finally:
         s.stop()
+
+
+def test_without_a_configured_audience_a_token_naming_one_is_refused(idp, tmp_path):
+    """RFC 7519 4.1.3: a token whose aud does not name its processor MUST be rejected. With no QAG_JWT_AUDIENCE qag
+    names none, so a token minted for another service (same issuer, same key) is not taken."""
+    data = str(tmp_path / "d.db")
+    db = sqlite3.connect(data)
+    db.executescript("CREATE TABLE t (id INTEGER); INSERT INTO t VALUES (1);")
+    db.commit()
+    db.close()
+    s = start_server({"QAG_JWT_SECRET": SECRET}, args=("--workers", "1"))
+    try:
+        post = lambda p, b: requests.post(s.base + p, json=b, headers=s.admin, timeout=10)
+        assert post("/api/v1/connections", {"name": "d", "db": "sqlite", "database": data}).status_code == 201
+        assert post("/api/v1/queries", {"name": "t", "connection_name": "d", "sql": "SELECT id FROM t",
+                                        "publish": True}).status_code == 201
+        assert post("/api/v1/roles", {"name": "analyst", "queries": ["t"]}).status_code == 201
+        call = lambda token: requests.get(s.base + "/q/t", headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        assert call(idp.token(alg="HS256", aud=None)).status_code == 200
+        for aud in ("billing-service", ["billing-service", "qag"]):
+            r = call(idp.token(alg="HS256", aud=aud))
+            assert r.status_code == 401 and r.json()["code"] == "unauthorized", aud
+    finally:
+        s.stop()
