@@ -17,6 +17,10 @@ class Health:
         resp.content_type = "application/json"
         resp.text = f'{{"status": "ok", "version": "{__version__}"}}'
 
+    def on_head(self, req, resp):
+        """HEAD /health, as load balancers probe: GET's status and headers, no body (RFC 9110 9.3.2)."""
+        self.on_get(req, resp)
+
 
 class Metrics:
     def __init__(self, app):

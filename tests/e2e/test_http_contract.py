@@ -315,3 +315,9 @@ def test_names_that_are_routes_of_their_collection_are_refused(srv, tmp_path):
           "invalid_name")
     r = srv.post("/api/v1/connections/test", {"db": "sqlite", "database": str(tmp_path / "t.db")})
     assert r.status_code == 502 and r.json()["code"] == "connection_failed"  # /test itself still takes a body
+
+
+def test_head_health_answers_as_get_without_a_body(srv):
+    r = requests.head(srv.base + "/health", headers={"X-Request-Id": "lb-probe"})
+    assert r.status_code == 200 and r.content == b"" and r.headers["X-Request-Id"] == "lb-probe"
+    assert requests.get(srv.base + "/health").json()["status"] == "ok"
