@@ -148,18 +148,20 @@ def _text(v) -> str:
 # -- XML -----------------------------------------------------------------------------------------------------
 _XML_BAD = re.compile("[^\u0009\u000a\u000d\u0020-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 _NAME_BAD = re.compile(r"[^\w.\-]")
+_XML_CR = {"\r": "&#13;"}
 
 
 def _xml_tag(name: str) -> str:
     tag = _NAME_BAD.sub("_", str(name)) or "_"
-    if not re.match(r"[A-Za-z_]", tag) or tag.lower().startswith("xml"):
+    if not re.match(r"[^\W\d]", tag) or tag.lower().startswith("xml"):  # a letter (any script) or '_' first
         tag = "_" + tag
     return tag
 
 
 def _xml_text(v) -> str:
     from xml.sax.saxutils import escape
-    return escape(_XML_BAD.sub("\ufffd", _text(v)))
+    # a CR is written as &#13;: a parser turns a literal CR (and CR LF) into LF, so the text would not read back
+    return escape(_XML_BAD.sub("\ufffd", _text(v)), _XML_CR)
 
 
 def render_xml(columns, rows) -> bytes:

@@ -90,3 +90,11 @@ def test_a_cursor_reads_back_and_a_changed_one_is_refused(name):
         with pytest.raises(ApiError) as e:
             read_cursor(bad)
         assert e.value.code == "invalid_cursor"
+
+
+def test_xml_keeps_a_carriage_return_and_a_non_ascii_column_name():
+    import xml.etree.ElementTree as ET
+
+    from qag import formats
+    doc = ET.fromstring(formats.render_xml(["ü", "1x"], [["a\r\nb\rc", "x"]]))
+    assert [(e.tag, e.text) for e in doc[0]] == [("ü", "a\r\nb\rc"), ("_1x", "x")]  # was "a\nb\nc" and "_ü"
