@@ -629,8 +629,9 @@ def caller_limit(field: str, value):
         return None
     if field == "query_timeout":
         from qag.connectors import MIN_TIMEOUT
-        if (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-                and value >= MIN_TIMEOUT):
+        if isinstance(value, int) and not isinstance(value, bool) and MIN_TIMEOUT <= value < 2 ** 63:
+            return value  # (math.isfinite of a 400-digit JSON integer raised OverflowError: a 500)
+        if isinstance(value, float) and math.isfinite(value) and value >= MIN_TIMEOUT:
             return value
         raise ApiError(400, "invalid_body", f"query_timeout must be a number of seconds, at least {MIN_TIMEOUT:g}, "
                        "or null for the server's.", {"field": field})

@@ -321,3 +321,10 @@ def test_head_health_answers_as_get_without_a_body(srv):
     r = requests.head(srv.base + "/health", headers={"X-Request-Id": "lb-probe"})
     assert r.status_code == 200 and r.content == b"" and r.headers["X-Request-Id"] == "lb-probe"
     assert requests.get(srv.base + "/health").json()["status"] == "ok"
+
+
+def test_a_caller_limit_of_hundreds_of_digits_is_invalid_body_not_a_500(srv):
+    big = "1" + "0" * 400
+    for path, name in (("/api/v1/api-keys", "qt"), ("/api/v1/roles", "qtr")):
+        r = srv.post(path, f'{{"name": "{name}", "query_timeout": {big}}}'.encode())
+        assert error(r, 400, "invalid_body")["field"] == "query_timeout"
