@@ -67,6 +67,8 @@ def items(app, principal) -> list[dict]:
             if http_errors.status_of(err) in (400, 403, 404):
                 continue  # governance refuses it for this caller, or it is gone: not runnable
             plan = None   # the database is unreachable now: listed, without what only a plan knows
+        if plan is not None and not principal.admin and not _claims_allow(principal, plan):
+            continue
         v = rt.version(q["name"], q["published_version"], rt.query(q["name"])[1]) or {}
         masking = []
         if plan is not None and plan.transforms is not None:
@@ -87,6 +89,19 @@ def items(app, principal) -> list[dict]:
             "masking": None if plan is None else masking,
             "path": f"/q/{q['name']}"})
     return out
+
+
+def _claims_allow(principal, plan) -> bool:
+    """The identity rules of /q's bind stage (qag/identity.py): a query binding a claim is for signed-in callers
+    only (an API key gets 403 sign_in_required) whose token holds every claim it binds (403 claim_missing), and a
+    role that requires claim binding runs only such queries (403 claim_binding_required). A query the caller would
+    be refused this way is not one it may run."""
+    if principal.claims is None:
+        return not plan.claims
+    if any(principal.claims.get(claim) is None for _, claim in plan.claims):
+        return False  # 403 claim_missing: the token lacks a claim this query binds
+    role = (principal.key or {}).get("role") or {}
+    return bool(plan.claims) or not role.get("require_claims")
 
 
 class Schema:

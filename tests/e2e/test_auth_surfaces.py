@@ -386,3 +386,42 @@ def test_without_a_configured_audience_a_token_naming_one_is_refused(idp, tmp_pa
             assert r.status_code == 401 and r.json()["code"] == "unauthorized", aud
     finally:
         s.stop()
+
+
+def test_discovery_leaves_out_what_identity_rules_refuse(srv, idp):
+    """/catalog, /openapi.json and /mcp's tools/list list what /q would run for this caller: not a claim-bound
+    query for an API key (403 sign_in_required), nor for a token without the claim (403 claim_missing), nor an
+    unbound query for a role that requires claim binding (403 claim_binding_required)."""
+    assert srv.post("/api/v1/queries", {"name": "my_notes", "connection_name": "crm", "publish": True,
+                                        "sql": "SELECT id FROM notes WHERE owner = :owner",
+                                        "parameters": {"owner": {"type": "str", "from_claim": "sub"}}}
+                    ).status_code == 201
+    assert srv.post("/api/v1/roles", {"name": "bound", "queries": ["notes", "my_notes"],
+                                      "require_claims": True}).status_code == 201
+    assert requests.patch(srv.base + "/api/v1/roles/analyst", json={"queries": ["notes", "my_notes"]},
+                          headers=srv.admin, timeout=10).status_code == 200
+    key = srv.post("/api/v1/api-keys", {"name": "lister", "queries": ["notes", "my_notes"]}).json()["secret"]
+
+    def listed(headers) -> dict:
+        cat = {i["name"] for i in requests.get(srv.base + "/catalog", headers=headers, timeout=10).json()["items"]}
+        doc = requests.get(srv.base + "/openapi.json", headers=headers, timeout=10).json()
+        api = {p[3:] for p in doc["paths"] if p.startswith("/q/") and p != "/q/{name}"}
+        r = requests.post(srv.base + "/mcp", json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"},
+                          headers=headers, timeout=10)
+        tools = {t["name"] for t in r.json()["result"]["tools"]}
+        assert cat == api == tools, (cat, api, tools)
+        return cat
+
+    def runs(headers, name) -> int:
+        return requests.get(srv.base + f"/q/{name}", headers=headers, timeout=10).status_code
+
+    cases = {"key": {"X-API-Key": key},
+             "token": {"Authorization": f"Bearer {idp.token(sub='ada')}"},
+             "token without sub": {"Authorization": f"Bearer {idp.token(sub=None)}"},
+             "role requiring claims": {"Authorization": f"Bearer {idp.token(sub='ada', role='bound')}"}}
+    expected = {"key": {"notes"}, "token": {"notes", "my_notes"}, "token without sub": {"notes"},
+                "role requiring claims": {"my_notes"}}
+    for who, headers in cases.items():
+        assert listed(headers) == expected[who], who
+        for name in ("notes", "my_notes"):
+            assert (runs(headers, name) == 200) == (name in expected[who]), (who, name)
