@@ -30,9 +30,10 @@ class Feed:
     """One subscriber's position in the run store and what it may see."""
 
     def __init__(self, *, store, auth, secret, addr, admin: bool, key_name, last: int, limit_total: int, release,
-                 bearer: str | None = None):
+                 bearer: str | None = None, not_before: str | None = None):
         self.store, self.auth, self.secret, self.addr = store, auth, secret, addr
         self.bearer = bearer  # a signed-in subscriber's Authorization header, checked again as the key is
+        self.not_before = not_before  # a key's created_at: runs recorded under its name before it are not its own
         self.admin, self.key_name, self.last, self.limit_total = admin, key_name, last, limit_total
         self.sent = 0
         self.quiet_since = time.monotonic()
@@ -53,11 +54,15 @@ class Feed:
         if batch:
             out = []
             for ev in batch:
-                out.append(f"id: {ev['event_id']}\nevent: run\ndata: {json.dumps(ev)}\n\n")
                 self.last = ev["event_id"]
+                if self.not_before and (ev.get("at") or "") < self.not_before:
+                    continue  # a run of an earlier key of the same name, deleted since: not this key's
+                out.append(f"id: {ev['event_id']}\nevent: run\ndata: {json.dumps(ev)}\n\n")
                 self.sent += 1
                 if self.limit_total and self.sent >= self.limit_total:
                     return "".join(out).encode(), True, True
+            if not out:
+                return b"", True, False
             self.quiet_since = time.monotonic()
             return "".join(out).encode(), True, False
         if time.monotonic() - self.quiet_since >= KEEPALIVE_S:

@@ -171,7 +171,8 @@ class Events:
         feed = Feed(store=store, auth=app.auth, secret=secret, addr=addr, admin=p.admin,
                     key_name=key_name, last=last, limit_total=limit_total,
                     release=lambda: app.subscribers.release(holder),
-                    bearer=None if secret or p.admin else bearer)
+                    bearer=None if secret or p.admin else bearer,
+                    not_before=None if p.admin or p.claims is not None else (p.key or {}).get("created_at"))
         resp.content_type = "text/event-stream"
         resp.set_header("Cache-Control", "no-store")
         resp.set_header("X-Accel-Buffering", "no")

@@ -425,3 +425,18 @@ def test_discovery_leaves_out_what_identity_rules_refuse(srv, idp):
         assert listed(headers) == expected[who], who
         for name in ("notes", "my_notes"):
             assert (runs(headers, name) == 200) == (name in expected[who]), (who, name)
+
+
+def test_a_key_made_again_under_a_deleted_keys_name_does_not_follow_its_runs(srv):
+    """/events filters a key's runs by its name; a key deleted and made again under the same name (another holder)
+    saw every run of the one before."""
+    old = srv.post("/api/v1/api-keys", {"name": "reborn", "queries": ["notes"]}).json()["secret"]
+    assert requests.get(srv.base + "/q/notes", headers={"X-API-Key": old, "X-Request-Id": "old-holder-call"},
+                        timeout=10).status_code == 200
+    assert requests.delete(srv.base + "/api/v1/api-keys/reborn", headers=srv.admin, timeout=10).status_code == 204
+    time.sleep(0.05)  # the new key is made a clock tick after the old key's run
+    new = srv.post("/api/v1/api-keys", {"name": "reborn", "queries": ["notes"]}).json()["secret"]
+    assert requests.get(srv.base + "/q/notes", headers={"X-API-Key": new, "X-Request-Id": "new-holder-call"},
+                        timeout=10).status_code == 200
+    text = first_event(srv, {"X-API-Key": new}, timeout=15)
+    assert text and "new-holder-call" in text and "old-holder-call" not in text, text
