@@ -42,14 +42,14 @@ class Feed:
 
     def step(self) -> tuple[bytes, bool, bool]:
         """(bytes to send, whether events came, whether the feed is finished)."""
-        if not self.admin:  # a revoked key's (an expired token's, a deleted role's) stream ends at once
-            try:
-                if self.bearer is not None:
-                    self.auth.authenticate_caller(None, self.bearer, self.addr)
-                else:
-                    self.auth.authenticate(self.secret, self.addr)
-            except ApiError:
+        # a revoked key's or administrator token's (an expired token's, a deleted role's) stream ends at once
+        try:
+            if self.bearer is not None:
+                self.auth.authenticate_caller(None, self.bearer, self.addr)
+            elif not self.auth.authenticate(self.secret, self.addr).admin and self.admin:
                 return b"", False, True
+        except ApiError:
+            return b"", False, True
         batch = self.store.events_after(self.last, self.key_name, 1000)
         if batch:
             out = []

@@ -440,3 +440,19 @@ def test_a_key_made_again_under_a_deleted_keys_name_does_not_follow_its_runs(srv
                         timeout=10).status_code == 200
     text = first_event(srv, {"X-API-Key": new}, timeout=15)
     assert text and "new-holder-call" in text and "old-holder-call" not in text, text
+
+
+def test_an_administrators_event_stream_ends_when_its_token_is_revoked(srv):
+    token = admin_token(srv, "events-watcher")
+    r = requests.get(srv.base + "/events", headers={"X-API-Key": token}, stream=True, timeout=(5, 20))
+    assert r.status_code == 200
+    admin_token(srv, "events-watcher", "revoke")
+    t0 = time.time()
+    try:
+        for _ in r.iter_content(None):  # the stream must end by itself, not wait out the read timeout
+            assert time.time() - t0 < 15, "still streaming after the token was revoked"
+    except requests.exceptions.RequestException as exc:
+        raise AssertionError(f"the stream did not end: {exc}") from None
+    finally:
+        r.close()
+    assert time.time() - t0 < 15
