@@ -456,3 +456,41 @@ def test_an_administrators_event_stream_ends_when_its_token_is_revoked(srv):
     finally:
         r.close()
     assert time.time() - t0 < 15
+
+
+def test_allowed_ips_on_a_dual_stack_bind(tmp_path):
+    """Bound on [::], an IPv4 caller arrives as ::ffff:a.b.c.d: it must match an IPv4 allow-list (it was refused),
+    and IPv6 loopback is still not IPv4 loopback."""
+    data = str(tmp_path / "d.db")
+    db = sqlite3.connect(data)
+    db.executescript("CREATE TABLE t (id INTEGER); INSERT INTO t VALUES (1);")
+    db.commit()
+    db.close()
+    port = free_port()
+    s = start_server({"QAG_BIND": f"[::]:{port}"}, args=("--workers", "1"), wait=False)
+    v4, v6 = f"http://127.0.0.1:{port}", f"http://[::1]:{port}"
+    try:
+        deadline = time.time() + 30
+        while True:
+            try:
+                if requests.get(v4 + "/health", timeout=1).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            assert time.time() < deadline and s.proc.poll() is None, s.log()
+            time.sleep(0.2)
+        post = lambda p, b: requests.post(v4 + p, json=b, headers=s.admin, timeout=10)
+        assert post("/api/v1/connections", {"name": "d", "db": "sqlite", "database": data}).status_code == 201
+        assert post("/api/v1/queries", {"name": "t", "connection_name": "d", "sql": "SELECT id FROM t",
+                                        "publish": True}).status_code == 201
+        k4 = post("/api/v1/api-keys", {"name": "v4", "queries": ["t"], "allowed_ips": ["127.0.0.1/32"]}).json()
+        k6 = post("/api/v1/api-keys", {"name": "v6", "queries": ["t"], "allowed_ips": ["::1/128"]}).json()
+        get = lambda base, k: requests.get(base + "/q/t", headers={"X-API-Key": k["secret"]}, timeout=10).status_code
+        assert get(v4, k4) == 200
+        assert get(v6, k6) == 200
+        assert get(v6, k4) == 401 and get(v4, k6) == 401
+        r = requests.get(v6 + "/q/t", headers={"X-API-Key": k4["secret"], "X-Forwarded-For": "127.0.0.1"},
+                         timeout=10)
+        assert r.status_code == 401, "a forwarded address is not the caller's"
+    finally:
+        s.stop()
