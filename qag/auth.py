@@ -13,6 +13,7 @@ import hashlib
 import hmac
 import ipaddress
 import json
+import re
 import threading
 import time
 
@@ -24,6 +25,7 @@ from qag.runtime import REPUBLISH_CHECK_S, CachedAdminToken, CachedKey
 from qag.store import CALLER_LIMIT_FIELDS, hash_secret
 
 UNAUTHORIZED = "Give a valid, active API key in the X-API-Key header."
+ROLE_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")  # qag/http/manage.py NAME_RE, which names roles
 
 
 class Principal:
@@ -149,7 +151,9 @@ class Auth:
             self.verifier = identity.Verifier(self.cfg)
         claims = self.verifier.verify(token.strip())
         role_name = claims.get(self.verifier.role_claim)
-        role, gen = self.runtime.role(role_name) if isinstance(role_name, str) else (None, 0)
+        # a claim that cannot be a role's name (roles are named as keys are) names none: no store lookup for it
+        role, gen = self.runtime.role(role_name) if isinstance(role_name, str) and ROLE_NAME_RE.fullmatch(
+            role_name) else (None, 0)
         if role is None:
             raise ApiError(401, "unauthorized", identity.UNAUTHORIZED)
         if role["grants"].get("allowed_ips") and (not client_ip or not _allowed_for(role, client_ip)):

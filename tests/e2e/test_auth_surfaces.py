@@ -494,3 +494,9 @@ def test_allowed_ips_on_a_dual_stack_bind(tmp_path):
         assert r.status_code == 401, "a forwarded address is not the caller's"
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("role", ["analyst\u0000", "analyst\n", "../analyst", "", "a" * 101, "ana lyst", "analyst;"])
+def test_a_role_claim_that_cannot_be_a_role_name_is_401(srv, idp, role):
+    r = requests.get(srv.base + "/q/notes", headers={"Authorization": f"Bearer {idp.token(role=role)}"}, timeout=10)
+    assert r.status_code == 401 and r.json()["code"] == "unauthorized", (role, r.status_code, r.text[:200])
