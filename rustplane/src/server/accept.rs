@@ -47,7 +47,10 @@ async fn handle(sh: Arc<Shared>, req: Request<Incoming>, peer: Option<IpAddr>) -
 }
 
 async fn route(sh: Arc<Shared>, req: Request<Incoming>, peer: Option<IpAddr>) -> Result<Response<Body>, Infallible> {
-    if req.method() == hyper::Method::GET && req.uri().path().starts_with("/q/") {
+    // A GET with a body is Python's to refuse (400 invalid_body: what the body says would be ignored).
+    let has_body = req.headers().contains_key(hyper::header::TRANSFER_ENCODING)
+        || req.headers().get(hyper::header::CONTENT_LENGTH).is_some_and(|v| v.as_bytes() != b"0");
+    if req.method() == hyper::Method::GET && !has_body && req.uri().path().starts_with("/q/") {
         match serve_query(&sh, &req, peer).await {
             Decision::Answer(r) => return Ok(r),
             Decision::Forward(why) => {
