@@ -11,6 +11,7 @@ without anyone evicting them.
 """
 from __future__ import annotations
 
+from qag import params as P
 from qag.errors import ApiError
 from qag.http.common import ok, require_admin
 
@@ -53,7 +54,9 @@ class CacheList:
         query = req.get_param("query") or None
         raw = req.get_param("limit")
         try:
-            limit = 100 if raw in (None, "") else int(raw)
+            if raw not in (None, "") and not P.INT_RE.fullmatch(raw):
+                raise ValueError  # ASCII digits only, as every number of a query string
+            limit = 100 if raw in (None, "") else P.text_int(raw)
             if not 1 <= limit <= MAX_LIMIT:
                 raise ValueError
         except ValueError:
@@ -84,6 +87,9 @@ def _known(req, names: set[str]) -> None:
     unknown = set(req.params) - names
     if unknown:
         raise ApiError(400, "unknown_field", f"Unknown filter(s) {', '.join(sorted(unknown))}.")
+    for name in names:
+        if isinstance(req.params.get(name), list):  # ?query=a&query=b: which one was meant cannot be known
+            raise ApiError(400, "invalid_body", f"{name} must be given once.", {"errors": {name: "must be given once"}})
 
 
 class CacheQuery:

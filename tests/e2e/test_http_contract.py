@@ -328,3 +328,9 @@ def test_a_caller_limit_of_hundreds_of_digits_is_invalid_body_not_a_500(srv):
     for path, name in (("/api/v1/api-keys", "qt"), ("/api/v1/roles", "qtr")):
         r = srv.post(path, f'{{"name": "{name}", "query_timeout": {big}}}'.encode())
         assert error(r, 400, "invalid_body")["field"] == "query_timeout"
+
+
+def test_the_cache_routes_read_their_names_once_and_numbers_strictly(srv):
+    for method, qs in (("DELETE", "query=orders&query=typed"), ("GET", "query=orders&query=typed"),
+                       ("GET", "limit=%201"), ("GET", "limit=1_0")):
+        error(requests.request(method, f"{srv.base}/api/v1/cache?{qs}", headers=srv.admin), 400, "invalid_body")
