@@ -645,6 +645,14 @@ class Lineage:
             if isinstance(node, exp.Column):
                 out |= self.column(node, scope)
                 continue
+            if isinstance(node, exp.Lambda):
+                # x -> f(x): its parameters are the values of the arrays it is applied to (the call's other
+                # arguments, traced there), not columns
+                inner = _Scope(scope, scope.ctes)
+                inner.aliases = {self.fold(self.norm(p) if isinstance(p, exp.Identifier) else p.name): EMPTY
+                                 for p in node.expressions}
+                out |= self.expr(node.this, inner)
+                continue
             if isinstance(node, exp.Dot) and isinstance(node.this, exp.Paren) and \
                     isinstance(node.this.this, exp.Column) and not node.this.this.args.get("table") and \
                     isinstance(node.expression, exp.Identifier):
@@ -717,7 +725,7 @@ class Lineage:
                     return lin if lin is not None else EMPTY
                 # Not one of its columns (or its columns are unknown): PostgreSQL reads x.f as the call f(x)
                 # (attribute notation: c.row_to_json, c.to_jsonb, c.text, a user's f), a whole-row value.
-                return _whole(src.all()) | (lin or EMPTY)
+                return _whole(src.all()) | (lin or EMPTY) | _unplaced(src)
             # Not a FROM item: a struct/nested field or a name we cannot place; take every candidate.
             qname = self.fold(self.norm(qual))
             out = set(self.unqualified(qname, scope)) | set(self.unqualified(f"{qname}.{name}", scope))
@@ -730,21 +738,52 @@ class Lineage:
     def unqualified(self, name, scope):
         out = set()
         s = scope
+        placed = False
+        walked = []
         while s is not None:
             definite = False
             for src in s.sources:
                 lin, found = src.col(name)
+                if lin is None:
+                    walked.append(src)    # (an unnamed column of it may be the one: its lineage is taken)
                 if lin:
                     out |= lin
                 definite = definite or found
                 if src.alias == name and not found:
                     out |= _whole(src.all())  # PostgreSQL whole-row reference: SELECT c FROM customer c
+                    placed = True
             if name in s.aliases:
                 out |= s.aliases[name]
+                placed = True
             if definite:
+                placed = True
                 break
             s = s.parent
+        if not placed:
+            # A name no FROM item in reach is known to hold: the catalogue may be older than the table (a
+            # column added since, a generated one among them) or the name something qag cannot place. It may
+            # be any column of any table in reach: "t" (columns that cannot be named), refused where a masking
+            # rule covers one of those tables.
+            for src in walked:
+                out |= _unplaced(src)
         return frozenset(out)
+
+
+def _unplaced(src):
+    """The lineage of a name that may be a column of src the lineage does not know: some column of each table
+    src reads ("t"); a source of unknown columns already gave its lineage in col()."""
+    if src.cols is None:
+        return EMPTY
+    if src.table is not None:
+        return frozenset({("t", src.table[0].lower(), src.table[1].lower())})
+    out = set()
+    for _, lin in src.cols:
+        for i in lin:
+            if i[0] in ("c", "e", "t", "w") and len(i) >= 3:
+                out.add(("t", i[1], i[2]))
+            elif i[0] == "?":
+                out.add(i)
+    return frozenset(out)
 
 
 def _merge_using(left, right, using, dialect, natural, fold=_lower):

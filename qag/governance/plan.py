@@ -742,12 +742,10 @@ def _masking(a, d, schema, tables, rules, columns_of, opaque=None, from_funcs=No
     lineage = Lineage(d, schema, columns_of, lambda ref: next(iter(res([ref]))))
 
     def may_apply(rule):
-        for t in tables:
-            if rule.matches_table(*t):
-                cols = lineage.columns_of(t)
-                if cols is None or any(rule.matches_column(c) for c in cols):
-                    return True
-        return False
+        # A rule on a table the statement reads applies even when the catalogue lists no column it names: the
+        # column may have been added since the catalogue was read (a name the lineage cannot place is then
+        # refused, lineage.py "t"), and the rule's table decides, not qag's copy of its columns.
+        return any(rule.matches_table(*t) for t in tables)
 
     applicable = [r for r in rules if may_apply(r)]
     if not applicable:
