@@ -174,12 +174,27 @@ class Runtime:
         self.plan_misses = 0
         self.publisher = None  # qag.entries.Publisher when a segment is attached
         self.plan_checks: dict = {}  # plan key -> when to look again that the segment holds its entry
+        self._stale_at: dict = {}    # connection name -> when its catalogue was last found stale (catalogue_stale)
 
     # -- changes -------------------------------------------------------------------------------
     def changed(self, kind: str, ident: str) -> None:
         """Called after a change commits and before it is acknowledged."""
         if self.generations is not None:
             self.generations.bump(kind, ident)
+
+    def catalogue_stale(self, conn_name: str) -> None:
+        """A result's columns were not the ones a plan traced (a column added since the catalogue was read): the
+        connection's generation moves on (at most every 2 s), so every worker and the plane drop the plans built
+        on the old catalogue and read it again for the next call."""
+        now = time.monotonic()
+        if now - self._stale_at.get(conn_name, -10.0) < 2.0:
+            return
+        self._stale_at[conn_name] = now
+        for cache in (self.views, self.columns, self.functions):
+            cache.pop(conn_name, None)
+        for k in [k for k, p in self.plans.items() if getattr(p, "connection", None) == conn_name]:
+            self.plans.pop(k, None)
+        self.changed("connection", conn_name)
 
     # -- metadata, cached ----------------------------------------------------------------------
     def role(self, name: str) -> tuple[dict | None, int]:

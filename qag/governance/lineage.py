@@ -143,6 +143,7 @@ class Lineage:
         self._cols_cache: dict = {}
         self._written: set | None = None     # collecting the lineage of stored values (written())
         self.resolve_ref = resolve_ref       # (db | None, name) -> (schema, table)
+        self.unplaced = False                # a column name no FROM item was known to hold (see unqualified)
 
     # ---- entry point -------------------------------------------------------------------------------------
     def outputs(self, tree):
@@ -725,7 +726,9 @@ class Lineage:
                     return lin if lin is not None else EMPTY
                 # Not one of its columns (or its columns are unknown): PostgreSQL reads x.f as the call f(x)
                 # (attribute notation: c.row_to_json, c.to_jsonb, c.text, a user's f), a whole-row value.
-                return _whole(src.all()) | (lin or EMPTY) | _unplaced(src)
+                unplaced = _unplaced(src)
+                self.unplaced = self.unplaced or bool(unplaced)
+                return _whole(src.all()) | (lin or EMPTY) | unplaced
             # Not a FROM item: a struct/nested field or a name we cannot place; take every candidate.
             qname = self.fold(self.norm(qual))
             out = set(self.unqualified(qname, scope)) | set(self.unqualified(f"{qname}.{name}", scope))
@@ -765,7 +768,10 @@ class Lineage:
             # be any column of any table in reach: "t" (columns that cannot be named), refused where a masking
             # rule covers one of those tables.
             for src in walked:
-                out |= _unplaced(src)
+                got = _unplaced(src)
+                if got:
+                    self.unplaced = True
+                    out |= got
         return frozenset(out)
 
 

@@ -328,7 +328,8 @@ def plan_governance(*, sql: str, dialect: str, default_schema: str, allowed_tabl
     read = direct | tables
     if rules and a.is_write:
         _check_written(a, d, schema, read, rules, columns_of, views, res)
-    transforms, names = _masking(a, d, schema, read, rules, columns_of, opaque, from_funcs, res=res)
+    refresh = getattr(views_of, "refresh", None) if views_of is not None else None
+    transforms, names = _masking(a, d, schema, read, rules, columns_of, opaque, from_funcs, res=res, refresh=refresh)
     if views and rules and a.has_output and not a.explain:
         # Rules may also name a view's own columns (contacts.contact): the lineage through the views' names
         # and the lineage through their definitions both apply, the stricter action wins per position.
@@ -711,7 +712,8 @@ def _check_written(a, d, schema, tables, rules, columns_of, views, res) -> None:
                                       "parameters, or columns no rule masks", {"column": what})
 
 
-def _masking(a, d, schema, tables, rules, columns_of, opaque=None, from_funcs=None, tree=None, res=None):
+def _masking(a, d, schema, tables, rules, columns_of, opaque=None, from_funcs=None, tree=None, res=None,
+             refresh=None):
     res = res or (lambda refs: resolve(refs, d, schema))
     if rules and a.explain and d in ("mysql", "clickhouse") and not isinstance(a.tree, exp.Describe):
         # MariaDB/MySQL print a const table's values in the plan's conditions (EXPLAIN FORMAT=JSON ... WHERE
@@ -753,6 +755,11 @@ def _masking(a, d, schema, tables, rules, columns_of, opaque=None, from_funcs=No
 
     try:
         outs = lineage.outputs(a.tree if tree is None else tree)
+        if lineage.unplaced and refresh is not None and refresh():
+            # a name no table was known to hold: perhaps a column added since the catalogue was read; read it
+            # again (at most every 2 s per connection) and trace once more
+            lineage = Lineage(d, schema, columns_of, lambda ref: next(iter(res([ref]))))
+            outs = lineage.outputs(a.tree if tree is None else tree)
     except RecursionError:
         raise GovernanceError(403, "mask_unresolvable", "the statement is nested too deeply to trace its columns") \
             from None
@@ -805,6 +812,7 @@ def _masking(a, d, schema, tables, rules, columns_of, opaque=None, from_funcs=No
                                   {"column": name, "position": pos})
         transforms.append(best)
     names = [n for n, _ in outs]
-    if all(t is None for t in transforms):
-        return None, names
-    return transforms, names
+    # A rule covers a table the statement reads: the plan pins the result's shape even when no position is
+    # masked (a tuple of None, not None), so a result whose columns are not the ones traced here (a column added
+    # after the catalogue was read, under SELECT *) is refused at call time (apply_transforms) instead of served.
+    return tuple(transforms), names

@@ -117,7 +117,7 @@ def _hasher(mask_key: bytes):
 class CompiledTransforms:
     """Per-position callables built once per (transforms, mask key); __call__ is the per-call work."""
 
-    __slots__ = ("keep", "row_fn", "transforms", "width", "_checked")
+    __slots__ = ("identity", "keep", "row_fn", "transforms", "width", "_checked")
 
     def __init__(self, transforms, mask_key: bytes):
         transforms = tuple(transforms)
@@ -126,6 +126,7 @@ class CompiledTransforms:
                 raise GovernanceError(403, "mask_unresolvable", f"unknown masking action {t!r}")
         self.transforms = transforms
         self.width = len(transforms)
+        self.identity = all(t is None for t in transforms)   # shape pinned, nothing masked: rows pass as they are
         self.keep = tuple(i for i, t in enumerate(transforms) if t != "drop")
         parts = []
         for i, t in enumerate(transforms):
@@ -152,19 +153,22 @@ class CompiledTransforms:
             raise GovernanceError(403, "mask_unresolvable",
                                   f"the result has {len(columns)} columns but the masking plan expects "
                                   f"{self.width}; the schema may have changed, rebuild the plan")
+        if self.identity:
+            return columns, rows
         if len(self.keep) == self.width:
             return columns, self.row_fn(rows)
         return [columns[i] for i in self.keep], self.row_fn(rows)
 
     def check_names(self, columns, names) -> None:
-        """Refuse a result whose masked positions carry other columns than the plan traced (same width, but
-        the table changed under SELECT *). Compared case-insensitively, after any "t." prefix (ClickHouse), on
-        the first 63 characters (PostgreSQL truncates longer names); positions without a known name pass."""
+        """Refuse a result whose positions carry other columns than the plan traced (same width, but the table
+        changed under SELECT *: an unmasked position may now hold a column a rule covers). Every position is
+        checked, masked or not. Compared case-insensitively, after any "t." prefix (ClickHouse), on the first
+        63 characters (PostgreSQL truncates longer names); positions without a known name pass."""
         key = (tuple(columns), names if type(names) is tuple else tuple(names))
         if key in self._checked:
             return
-        for i, t in enumerate(self.transforms):
-            if t is None or i >= len(names) or names[i] is None or i >= len(columns):
+        for i in range(len(self.transforms)):
+            if i >= len(names) or names[i] is None or i >= len(columns):
                 continue
             got = str(columns[i]).rsplit(".", 1)[-1].lower()[:63]
             want = str(names[i]).rsplit(".", 1)[-1].lower()[:63]

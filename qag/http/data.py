@@ -221,7 +221,8 @@ def govern(c: Call) -> None:
     plan = c.plan
     if plan.transforms is not None:
         typed = c.opts.format in formats.TYPED and formats.types_after_masking(c.cols, plan.transforms)
-        c.cols, c.rows = apply_transforms(plan.transforms, c.cols, c.rows, c.rt.mask_key, plan.names)
+        c.cols, c.rows = apply_transforms(plan.transforms, c.cols, c.rows, c.rt.mask_key, plan.names, c.rt,
+                                          plan.connection)
         if typed:
             c.cols = formats.Columns(c.cols, typed)
     c.t_gov = time.perf_counter()
@@ -347,13 +348,17 @@ def _claims(principal, plan, given: dict) -> dict:
     return identity.bind_claims(principal, plan.claims, given) if plan.claims else given
 
 
-def apply_transforms(transforms, cols, rows, key, names=None):
+def apply_transforms(transforms, cols, rows, key, names=None, rt=None, connection=None):
     """The plan's masking; a result whose columns no longer match the plan (a table changed under
-    SELECT *) is refused as 403 mask_unresolvable rather than masked by the wrong position."""
+    SELECT *: a column added after the catalogue was read) is refused as 403 mask_unresolvable rather than
+    masked by the wrong position or served unmasked; the connection's catalogue is then read again (its
+    generation moves on, here and in the plane), so the next call is planned on the table as it is."""
     from qag import governance
     try:
         return governance.apply_transforms(transforms, cols, rows, key, names)
     except governance.GovernanceError as exc:
+        if rt is not None and connection is not None:
+            rt.catalogue_stale(connection)
         raise ApiError(exc.status, exc.code, exc.message, exc.extra) from None
 
 
@@ -513,7 +518,7 @@ def stream(c: Call) -> None:
                 for b in batches:
                     yield apply_transforms(transforms, first_cols, b, key, plan.names)[1]
             typed = opts.format in formats.TYPED and formats.types_after_masking(cols, transforms)
-            cols = apply_transforms(transforms, cols, [], key, plan.names)[0]
+            cols = apply_transforms(transforms, cols, [], key, plan.names, app.runtime, plan.connection)[0]
             if typed:
                 cols = formats.Columns(cols, typed)
             source = masked()

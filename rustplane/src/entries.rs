@@ -396,8 +396,9 @@ impl PlanEntry {
         })
     }
 
-    /// CompiledTransforms.check_names: masked positions must carry the columns the plan traced (compared
-    /// lowercased, after a "t." prefix, on 63 characters). False = Python refuses (403): forward.
+    /// CompiledTransforms.check_names: every position, masked or not, must carry the column the plan traced
+    /// (compared lowercased, after a "t." prefix, on 63 characters): a table changed under SELECT * could put a
+    /// column a rule covers where the plan traced an unmasked one. False = Python refuses (403): forward.
     pub fn names_match(&self, columns: &[String]) -> bool {
         let (Some(acts), Some(names)) = (&self.transforms, &self.output_names) else { return true };
         let norm = |s: &str| -> Option<String> {
@@ -407,8 +408,8 @@ impl PlanEntry {
             }
             Some(last.to_ascii_lowercase().chars().take(63).collect())
         };
-        for (i, a) in acts.iter().enumerate() {
-            if *a == Action::Keep || i >= columns.len() {
+        for i in 0..acts.len() {
+            if i >= columns.len() {
                 continue;
             }
             let Some(Some(want)) = names.get(i) else { continue };
