@@ -507,19 +507,41 @@ class PostgresConnector(Connector):
             return str(sp).split(",")[0].strip().strip('"')
         return "public"
 
+    # Without a schema/search_path option, the search_path the server gives a new session (the server's default,
+    # or one set with ALTER ROLE ... SET / ALTER DATABASE ... SET) is read from the first session this connector
+    # opens, and every later session (and the plane's, through the published connection entry) is opened with
+    # that same value: the sessions run bare names with the path governance resolved them with, whatever
+    # ALTER ROLE/DATABASE does later (a new connector, made when the connection changes, reads it again).
+    _server_path: str | None = None
+    _server_user: str | None = None
+
+    def pinned_search_path(self) -> str | None:
+        """The search_path text every session of this connector runs with, reading it from the server (one
+        session opened) when the connection's options do not set one; None when they set it."""
+        opts = self.row.get("options") or {}
+        if opts.get("schema") or opts.get("search_path"):
+            return None
+        if self._server_path is None:
+            self.run("SELECT 1", (), write=False, timeout=None, max_rows=None)   # a first session reads it
+        if self._server_path is None:
+            raise Unreachable(self.name, "the server's search_path could not be read")
+        return self._server_path
+
     def search_path(self) -> list[str]:
         """The schemas a bare name is looked up in, in order, as the session's search_path lists them ("$user"
         is the connection's user); governance resolves a bare name to the first one holding it, as PostgreSQL
-        does."""
+        does. Without an option, the path the server gives the connection's sessions (pinned_search_path)."""
         opts = self.row.get("options") or {}
         sp = opts.get("schema") or opts.get("search_path")
+        user = self.row.get("user")
         if not sp:
-            sp = '"$user", public'      # the server's default: a schema named as the role comes first
+            sp = self.pinned_search_path()
+            user = self._server_user or user
         out = []
         for part in str(sp).replace(" ", "").replace("\\", "").split(","):
             name = part[1:-1].replace('""', '"') if len(part) > 1 and part[0] == part[-1] == '"' else part.lower()
             if name == "$user":
-                name = str(self.row.get("user") or "")
+                name = str(user or "")
             if name and name not in out:
                 out.append(name)
         return out or ["public"]
@@ -531,7 +553,7 @@ class PostgresConnector(Connector):
         pg_opts = [f"-c statement_timeout={limit_ms(None, self.timeout)}"]
         if not write:
             pg_opts.append("-c default_transaction_read_only=on")
-        sp = opts.get("schema") or opts.get("search_path")
+        sp = opts.get("schema") or opts.get("search_path") or self._server_path
         if sp:
             pg_opts.append("-c search_path=" + str(sp).replace(" ", "").replace("\\", ""))
         kw = dict(host=self.row.get("host") or "127.0.0.1", port=self.row.get("port") or 5432,
@@ -547,9 +569,30 @@ class PostgresConnector(Connector):
         except psycopg2.OperationalError as exc:
             raise Unreachable(self.name, _first_line(exc, self.password)) from None
         conn.autocommit = not write  # a read is one message and one answer (S2); a write is its own transaction
+        if not sp and not self._pin_search_path(conn):
+            conn.close()          # another session pinned another path first (ALTER ROLE in between): reopen with it
+            return self._open(write)
         sess = _Session(conn, write, socket.socket(fileno=os.dup(conn.fileno())), own_sock=True)
         sess.auth = conn.get_parameter_status("session_authorization")
         return sess
+
+    def _pin_search_path(self, conn) -> bool:
+        """The first session without a search_path option reads the one the server gave it (role's, database's
+        or server's default); later sessions are opened with it (_open)."""
+        try:
+            with conn.cursor() as cur:
+                cur.execute("SELECT pg_catalog.current_setting('search_path'), current_user")
+                path, user = cur.fetchone()
+            if not conn.autocommit:
+                conn.rollback()
+        except psycopg2.Error as exc:
+            conn.close()
+            raise Unreachable(self.name, "the server's search_path could not be read: "
+                              + _first_line(exc, self.password)) from None
+        if self._server_path is None:
+            self._server_user = user
+            self._server_path = path
+        return self._server_path == path
 
     def _run(self, sess, sql, args, *, write, limit, max_rows):
         conn = sess.conn

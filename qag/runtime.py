@@ -246,7 +246,7 @@ class Runtime:
                 # evicted from the segment by others' entries: put back, or the plane forwards every call of it
                 cached.check_at = time.monotonic() + REPUBLISH_CHECK_S
                 if not self.publisher.has_connection(name):
-                    self.publisher.connection(cached.row, cached.connector.password, g)
+                    self._publish_connection(cached.row, cached.connector, g)
             return cached.row, cached.connector, g
         row = self.store.get_connection(name)
         connector = None
@@ -256,12 +256,27 @@ class Runtime:
             else:
                 connector = connectors.make(row, self.store.connection_password(row), self.cfg)
             if self.publisher is not None and gens is not None:
-                self.publisher.connection(row, connector.password, g)
+                self._publish_connection(row, connector, g)
         if cached is not None and cached.connector is not None and cached.connector is not connector:
             cached.connector.close()
         # kept without generations too: the entry holds the pool (rebuilt on every call, then compared)
         self.connections[name] = CachedConnection(g, row, connector)
         return row, connector, g
+
+    def _publish_connection(self, row: dict, connector, g: int) -> None:
+        """The connection's entry for the plane; a PostgreSQL connection without a search_path option carries the
+        path its sessions are pinned to (connectors.PostgresConnector.pinned_search_path), so that the plane's
+        sessions resolve bare names as governance did. When that path cannot be read, nothing is published: the
+        plane forwards the connection's calls to Python."""
+        pinned = getattr(connector, "pinned_search_path", None)
+        if pinned is not None:
+            try:
+                path = pinned()
+            except Exception:  # noqa: BLE001 - unreachable now: Python answers its calls (and says why)
+                return
+            if path is not None:
+                row = {**row, "options": {**(row.get("options") or {}), "search_path": path}}
+        self.publisher.connection(row, connector.password, g)
 
     def columns_of_factory(self, conn_name: str, connector, gen: int):
         """A lazy `columns_of(schema, table)` introspecting the connection once per generation."""

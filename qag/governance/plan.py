@@ -163,8 +163,10 @@ def _path_resolver(d, schema, search_path, columns_of, views_of):
     a bare name is the relation of the first schema holding it (exact names, from the catalogue: the columns and
     the views), as the server finds it; held by none, the first schema (the server refuses it)."""
     path = [p for p in (search_path or ()) if p]
-    if d != "postgres" or len(path) < 2:
+    if d != "postgres" or not path:
         return lambda refs: resolve(refs, d, schema)
+    if len(path) == 1:
+        return lambda refs: resolve(refs, d, path[0])     # (a path of one schema, e.g. set on the role)
     exact = getattr(columns_of, "exact", columns_of) if columns_of is not None else None
     found: dict = {}
 
