@@ -121,7 +121,7 @@ class Schema:
         if not granted:
             # Unknown and ungranted answer alike for a scoped key: no oracle for connection names.
             raise ApiError(403, "connection_forbidden", f"This key is not granted a connection named '{name}'.")
-        crow, connector, _ = rt.connection(name)
+        crow, connector, cgen = rt.connection(name)
         if crow is None or connector is None:
             raise ApiError(404, "connection_not_found", f"There is no connection named '{name}'.")
         if not crow["active"]:
@@ -131,30 +131,65 @@ class Schema:
         default_schema = connector.default_schema()
         allowed = grants.get("allowed_tables")
         allow = gtables.parse_allowed(allowed, dialect, default_schema) if allowed else None
-        rules = gplan.parse_rules(grants.get("mask") or [])
+        mask = list(grants.get("mask") or [])
+        gplan.parse_rules(mask)
         catalog = connector.introspect()
+        flags = _Flags(rt, crow, connector, cgen, mask)
         tables = []
         for (schema, table), cols in sorted(catalog.items()):
             if schema in _SYSTEM_SCHEMAS or schema.startswith("pg_temp") or schema.startswith("pg_toast"):
                 continue
             if allow is not None and gtables.forbidden_tables([(schema, table)], allow):
                 continue
-            out_cols = []
-            for c in cols:
-                action = None
-                for rule in rules:
-                    if rule.matches_table(schema, table) and rule.matches_column(c):
-                        action = _stricter(action, rule.action)
-                out_cols.append({"name": c, "masked": action is not None, "mask": action})
+            actions = flags.of(schema, table, cols)
+            out_cols = [{"name": c, "masked": a is not None, "mask": a} for c, a in zip(cols, actions)]
             tables.append({"schema": schema, "name": table, "columns": out_cols})
         resp.media = {"connection": name, "db": dialect, "default_schema": default_schema, "tables": tables}
 
 
-_STRICT = {None: 0, "hash": 1, "mask": 2, "null": 3, "drop": 4}
+class _Flags:
+    """What a call reading each column would get, decided by the analysis that governs calls: the key's rules
+    applied to `SELECT * FROM schema.table` (a view as its definition, a partition as its parent, a generated
+    column as a value derived from its sources); where that is refused, each column on its own. "refused":
+    a call reading the column is refused (403 mask_unresolvable, view_not_expandable, function_not_allowed).
+    Built from the catalogue of the connection's generation, as calls are."""
 
+    def __init__(self, rt, crow, connector, cgen, mask):
+        self.mask = mask
+        self.dialect = crow["db"]
+        if not mask:
+            return
+        self.kw = dict(dialect=self.dialect, default_schema=connector.default_schema(), allowed_tables=None,
+                       mask_rules=mask, server_allows_writes=False, key_allows_writes=False, allowed_write_ops=None,
+                       allow_unsafe=False, columns_of=rt.columns_of_factory(crow["name"], connector, cgen),
+                       views_of=rt.views_of_factory(crow["name"], connector, cgen),
+                       search_path=getattr(connector, "search_path", lambda: None)(),
+                       trusted_functions=tuple((crow.get("options") or {}).get("trusted_functions") or ()))
 
-def _stricter(a, b):
-    return a if _STRICT.get(a, 0) >= _STRICT.get(b, 0) else b
+    def _plan(self, sql):
+        from qag.governance import GovernanceError, plan_governance
+        try:
+            return plan_governance(sql=sql, **self.kw)
+        except GovernanceError:
+            return None     # a call reading it is refused (mask_unresolvable, view_not_expandable, a function...)
+
+    def _quote(self, name: str) -> str:
+        if self.dialect in ("mysql", "clickhouse"):
+            return "`" + name.replace("`", "``") + "`"
+        return '"' + name.replace('"', '""') + '"'
+
+    def of(self, schema: str, table: str, cols: list) -> list:
+        if not self.mask:
+            return [None] * len(cols)
+        rel = f"{self._quote(schema)}.{self._quote(table)}"
+        whole = self._plan(f"SELECT * FROM {rel}")
+        if whole is not None and (whole.transforms is None or len(whole.transforms) == len(cols)):
+            return list(whole.transforms) if whole.transforms is not None else [None] * len(cols)
+        out = []
+        for c in cols:
+            one = self._plan(f"SELECT {self._quote(c)} FROM {rel}")
+            out.append("refused" if one is None else (one.transforms[0] if one.transforms else None))
+        return out
 
 
 def register(app) -> None:
