@@ -70,6 +70,9 @@ def parse_args(description, default_out, extra=None, db_floor='floor_pg'):
     p.add_argument('--keep-going', action='store_true', help='log a failed run and continue')
     p.add_argument('--store-suffix', default='', help='appended to the store databases this session drops and '
                                                     'recreates (e.g. _mine), so two sessions at once keep apart')
+    p.add_argument('--shm-size', default='', help='QAG_SHM_SIZE in bytes for every qag target (default: qag\'s own); '
+                                               'the README\'s sizing: about 8 KiB per active key, e.g. for the keys '
+                                               'block at 10,000 keys')
     if extra:
         extra(p)
     opts = p.parse_args()
@@ -228,6 +231,8 @@ class Bench:
         self._primed.add(key)
 
     def record(self, block, target, call, round_no, r, **extra):
+        if getattr(self.opts, 'shm_size', '') and target.name.startswith('qag'):
+            extra['shm_size'] = int(self.opts.shm_size)  # a sized segment is part of what was measured
         row = self.results.add(block=block, target=target.name, call=call.name, query=call.query, key=call.key,
                                round=round_no, workers=target.workers, threads=target.threads, **extra, **r)
         H.progress(f'[{block}] r{round_no} {target.name:12s} {call.name:16s} ' +

@@ -292,6 +292,8 @@ class Qag(ManagedGateway):
             'QAG_DATABASE_URL': f'postgresql://postgres@127.0.0.1:5432/{self.store}',
             'QAG_ALLOW_WRITES': '1',
         })
+        if getattr(self.opts, 'shm_size', ''):
+            env['QAG_SHM_SIZE'] = str(self.opts.shm_size)  # sized on purpose (--shm-size), as an operator would
         if getattr(self.opts, 'qag_src', None):
             env['PYTHONPATH'] = self.opts.qag_src
             plane = os.path.join(self.opts.qag_src, 'qag-plane')
