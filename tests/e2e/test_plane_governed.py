@@ -138,3 +138,44 @@ def test_timeout_is_pythons_to_clamp_or_refuse_through_the_plane(stack):
             assert json.loads(a[1])["code"] == "invalid_timeout", (t, a)
     runs = _served_by(srv, "who", [f"to{i}" for i in (0, 4)])
     assert runs.get("to0", "").startswith("worker") and runs.get("to4", "").startswith("worker"), runs
+
+
+def test_a_postgres_on_another_host_is_pythons(stack):
+    """libpq's default sslmode is `prefer`: Python's sessions to a PostgreSQL beyond this host are encrypted when the
+    server offers TLS, the plane's are plain TCP; so the plane serves only databases it reaches on loopback, as it
+    does for MySQL. A host named by something other than `localhost` or a loopback address is another host to the
+    plane (this machine's own name, resolving to 127.x here, stands in for one: Python still reaches it)."""
+    import socket
+    name = socket.gethostname()
+    try:
+        loop = socket.gethostbyname(name).startswith("127.")
+    except OSError:
+        loop = False
+    if not loop or name.lower() == "localhost":
+        pytest.skip("this machine's name does not resolve to a loopback address")
+    srv = stack
+    adm = {**srv.admin, "Content-Type": "application/json"}
+    for path, body in (
+            ("/api/v1/connections", {"name": "gov_pg_named", "db": "postgres", "host": name, "port": 5432,
+                                     "user": "postgres", "database": "qag_rust_gov"}),
+            ("/api/v1/queries", {"name": "who_named", "connection_name": "gov_pg_named", "publish": True,
+                                 "sql": "SELECT id, name FROM customers WHERE id = :id",
+                                 "parameters": {"id": "int"}}),
+            ("/api/v1/api-keys", {"name": "rust_named", "queries": ["*"],
+                                  "connections": ["gov_pg", "gov_pg_named"]})):
+        r = requests.post(srv.base + path, json=body, headers=adm, timeout=30)
+        assert r.status_code == 201, r.text
+        if path.endswith("api-keys"):
+            srv.keys["named"] = r.json()["secret"]
+    rids = []
+    for i in range(4):  # the first call publishes the plan; had the plane served its connection, the rest were its
+        a, b = _both(srv, "/q/who_named?id=2", "named", f"nam{i}")
+        _same(a, b)
+        assert a[0] == 200 and json.loads(a[1]) == [{"id": 2, "name": "name2"}], a
+        rids.append(f"nam{i}")
+    runs = _served_by(srv, "who_named", rids)
+    assert all(runs.get(r, "").startswith("worker") for r in rids), runs
+    for i in range(3):  # the same key on the loopback connection: the plane's
+        _both(srv, "/q/who?id=2", "named", f"lbk{i}")
+    runs = _served_by(srv, "who", [f"lbk{i}" for i in range(1, 3)])
+    assert all(runs.get(f"lbk{i}") == "plane" for i in range(1, 3)), runs

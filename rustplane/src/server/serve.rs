@@ -146,9 +146,11 @@ pub(super) async fn serve_query(sh: &Shared, req: &Request<Incoming>, peer: Opti
         Dialect::Postgres if conn.db != "postgres" || conn.options.contains_key("sslmode") => {
             return Decision::Forward("connection not plain postgres");
         }
+        // libpq's default sslmode is `prefer` (TLS when the server offers it) and mysql-connector likewise uses TLS
+        // when offered; the plane's sessions are plain TCP, so it reads only databases on this host (a remote one
+        // stays Python's, encrypted as Python's driver negotiates it)
+        Dialect::Postgres if !is_loopback_host(&conn.host) => return Decision::Forward("postgres beyond this host"),
         Dialect::Mysql if conn.db != "mysql" => return Decision::Forward("connection not mysql"),
-        // mysql-connector uses TLS when the server offers it; the plane's sessions are plain TCP, so it
-        // reads only databases on this host (a remote one stays Python's, encrypted)
         Dialect::Mysql if !is_loopback_host(&conn.host) => return Decision::Forward("mysql beyond this host"),
         _ => {}
     }
