@@ -166,7 +166,14 @@ class Publisher:
         self.secret_dir = os.path.join(cfg.home, "plane")
 
     def key(self, key_hash: str, row: dict, via_prev: bool, gen: int) -> None:
-        self.seg.cache_put(key_cache_key(key_hash), _pack(key_entry(row, via_prev, gen)))
+        ck, entry = key_cache_key(key_hash), key_entry(row, via_prev, gen)
+        value = _pack(entry)
+        if len(ck) + len(value) > self.seg.cache_room:
+            # LAYOUT.md [Key entry] field 9: the row (its grants list every query a key may run: 1,000 names are
+            # past a 4 KiB slot) is for Python, which keeps its own; the plane serves the key's calls from its
+            # plans without it. Without this the entry was refused and the plane forwarded every call of the key.
+            value = _pack({**entry, "row": {}})
+        self.seg.cache_put(ck, value)
 
     def has_key(self, key_hash: str) -> bool:
         return self.seg.cache_get(key_cache_key(key_hash)) is not None

@@ -166,6 +166,7 @@ class Segment:
         self._cache_off = g.region("cache")[0]
         self._cache_sets = g.cache_slot_count // L.CACHE_WAYS
         self._cache_room = g.cache_slot_size - L.CACHE_SLOT_HEADER
+        self.cache_room = self._cache_room  # bytes of key + value one cache slot holds (C2)
         self._cache_slot_size = g.cache_slot_size
         self._tags_off = g.region("cache_tags")[0]
         self._tags_i = self._tags_off // 4

@@ -75,3 +75,32 @@ def test_evicted_entries_are_published_again_and_the_plane_serves_them():
         assert set(got.values()) == {"plane"}, got
     finally:
         srv.stop()
+
+
+def test_a_key_granted_many_queries_is_served_by_the_plane():
+    """A key's entry carries its row (grants and all) for Python; a key granted many queries by name had a row past
+    the 4 KiB slot, the entry was refused, and the plane forwarded every call of that key to Python (found by the
+    keys block: at 1,000 distinct queries the plane served none). The entry is published without the row then."""
+    need_plane()
+    dsn = pg_fresh_db(DB + "_many")
+    pg_exec(dsn, "CREATE TABLE t (id int PRIMARY KEY, v text)")
+    pg_exec(dsn, "INSERT INTO t VALUES (1, 'a')")
+    srv = start_server({}, args=("--workers", "1", "--plane", "--plane-threads", "1"))
+    try:
+        post(srv, "/api/v1/connections", {"name": "pg", "db": "postgres", "host": "127.0.0.1", "port": 5432,
+                                          "user": "postgres", "database": DB + "_many"})
+        names = ["one"] + [f"a_saved_query_with_a_rather_long_name_{i:04d}" for i in range(150)]
+        for name in names:
+            post(srv, "/api/v1/queries", {"name": name, "connection_name": "pg", "publish": True,
+                                          "sql": "SELECT id, v FROM t WHERE id = :id", "parameters": {"id": "int"}})
+        key = post(srv, "/api/v1/api-keys", {"name": "many", "queries": names, "connections": ["pg"]})["secret"]
+        conn = http.client.HTTPConnection("127.0.0.1", int(srv.base.rsplit(":", 1)[1]), timeout=30)
+        rids = [f"many-{i}" for i in range(4)]
+        for rid in rids:  # the first call publishes the key's and the plan's entries; the next are the plane's
+            conn.request("GET", "/q/one?id=1", headers={"X-API-Key": key, "X-Request-Id": rid})
+            r = conn.getresponse()
+            assert r.status == 200 and r.read() == b'[{"id":1,"v":"a"}]', r.status
+        got = served_by(srv, set(rids))
+        assert [got.get(r) for r in rids[1:]] == ["plane"] * 3, got
+    finally:
+        srv.stop()
