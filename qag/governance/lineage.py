@@ -736,6 +736,9 @@ class Lineage:
             schema = self.norm(db).lower() if isinstance(db, exp.Identifier) else self.default_schema.lower()
             out.add(("c", schema, qname.lower(), name.lower()))
             return frozenset(out)
+        if isinstance(col.this, exp.Identifier) and not col.this.args.get("quoted") and \
+                col.this.this.lower() in _VALUE_KEYWORDS.get(self.d, ()):
+            return EMPTY     # PostgreSQL user, current_role, system_user; MySQL UTC_DATE ...: the server's values
         return self.unqualified(name, scope)
 
     def unqualified(self, name, scope):
@@ -773,6 +776,14 @@ class Lineage:
                     self.unplaced = True
                     out |= got
         return frozenset(out)
+
+
+# Unquoted words the server reads as a value (a call without parentheses), never as a column, that sqlglot
+# leaves as column references: not names to place.
+_VALUE_KEYWORDS = {
+    "postgres": frozenset({"user", "current_role", "system_user"}),
+    "mysql": frozenset({"utc_date", "utc_time", "utc_timestamp"}),
+}
 
 
 def _unplaced(src):
