@@ -64,6 +64,13 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "qag_response_cache_capacity_bytes": ("gauge", "Bytes of the response cache's arena (QAG_RESPONSE_CACHE_MB "
                                                    "less its index).", ()),
     "qag_response_cache_entries": ("gauge", "Cached answers held on the host.", ()),
+    "qag_segment_cache_entries": ("gauge", ("Key, plan and connection entries held in the segment's cache, which the "
+                                            "data plane serves from (README: sizing the segment)."), ()),
+    "qag_segment_cache_slots": ("gauge", "Slots of the segment's cache (QAG_SHM_SIZE less the other regions).", ()),
+    "qag_segment_cache_dropped_total": ("counter", ("Entries the segment's cache let go, by cause: evicted (pushed "
+                                                    "out by another entry: a working set larger than the cache; "
+                                                    "the plane forwards what is not there), rejected (larger than "
+                                                    "a slot)."), ("cause",)),
     "qag_response_cache_evictions_total": ("counter", ("Cached answers dropped on the host, by cause: room (the "
                                                        "arena lapped or an index bucket was full), removed (an "
                                                        "administrator's DELETE /api/v1/cache)."), ("cause",)),

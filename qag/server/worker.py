@@ -95,6 +95,11 @@ def segment_gauges(segment, runtime):
         yield "qag_response_cache_entries", (), st["live_entries"]
         yield "qag_response_cache_evictions_total", ("room",), st["evictions"]
         yield "qag_response_cache_evictions_total", ("removed",), st["removals"]
+    cs = segment.cache_stats()  # header counters (shm/LAYOUT.md C2): one writer at a time, under the lock
+    yield "qag_segment_cache_entries", (), cs["used"]
+    yield "qag_segment_cache_slots", (), cs["slots"]
+    yield "qag_segment_cache_dropped_total", ("evicted",), cs["evictions"]
+    yield "qag_segment_cache_dropped_total", ("rejected",), cs["rejects"]
     yield "qag_change_watcher_current", (), 1 if runtime.generations.current() else 0
     for name, (in_use, idle) in runtime.pool_stats().items():
         yield "qag_pool_connections", (name, "in_use", str(runtime.slot)), in_use

@@ -66,6 +66,10 @@ def test_evicted_entries_are_published_again_and_the_plane_serves_them():
         for rid in evicted:
             call(keys[0], rid)
         assert set(served_by(srv, set(evicted)).values()) == {"worker:0"}, "key 0's entries were not evicted"
+        metrics = requests.get(srv.base + "/metrics", timeout=30).text  # an operator sees the cache too small
+        series = 'qag_segment_cache_dropped_total{cause="evicted"}'
+        dropped = [ln for ln in metrics.splitlines() if ln.startswith(series)]
+        assert dropped and float(dropped[0].split()[-1]) > 0, dropped
         time.sleep(1.5)  # REPUBLISH_CHECK_S: the next warm call looks and puts them back
         call(keys[0], "republish")
         back = [f"back-{i}" for i in range(3)]
