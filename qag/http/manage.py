@@ -77,21 +77,26 @@ def _str_list(body, field):
     return v
 
 
+def list_limit(req, what: str, default: int) -> int:
+    """A paged list's query string: only limit (1-1000, `default` when absent or empty) and cursor are taken, any
+    other name is 400 unknown_field (`what` names the list in that sentence)."""
+    unknown = set(req.params) - {"limit", "cursor"}
+    if unknown:
+        raise ApiError(400, "unknown_field", f"Unknown parameter(s) {', '.join(sorted(unknown))}; {what} takes limit "
+                       "and cursor.", {"fields": sorted(unknown)})
+    raw = req.params.get("limit")
+    if raw is None or raw == "":
+        return default
+    if not isinstance(raw, str) or not P.INT_RE.fullmatch(raw) or not 1 <= P.text_int(raw) <= 1000:
+        raise ApiError(400, "invalid_paging", "limit must be an integer between 1 and 1000.")
+    return int(raw)
+
+
 def list_page(items, req, key, numbered=False, default: int | None = 100):
     """`{"items": [...], "next_cursor": ...}` with ?limit= and an opaque cursor (the last name seen, with a check
     so that a cursor this server did not give is 400 invalid_cursor rather than a silently different page).
     Any other query-string name is 400 unknown_field."""
-    unknown = set(req.params) - {"limit", "cursor"}
-    if unknown:
-        raise ApiError(400, "unknown_field", f"Unknown parameter(s) {', '.join(sorted(unknown))}; a list takes limit "
-                       "and cursor.", {"fields": sorted(unknown)})
-    raw = req.params.get("limit")
-    if raw is None or raw == "":
-        limit = default if default is not None else max(len(items), 1)
-    elif not isinstance(raw, str) or not P.INT_RE.fullmatch(raw) or not 1 <= P.text_int(raw) <= 1000:
-        raise ApiError(400, "invalid_paging", "limit must be an integer between 1 and 1000.")
-    else:
-        limit = int(raw)
+    limit = list_limit(req, "a list", default if default is not None else max(len(items), 1))
     cursor = req.params.get("cursor")
     if cursor:
         last = read_cursor(cursor)
@@ -753,17 +758,7 @@ class Audit:
 
     def on_get(self, req, resp):
         require_admin(self.app, req)
-        unknown = set(req.params) - {"limit", "cursor"}
-        if unknown:
-            raise ApiError(400, "unknown_field", f"Unknown parameter(s) {', '.join(sorted(unknown))}; the audit "
-                           "takes limit and cursor.", {"fields": sorted(unknown)})
-        raw = req.params.get("limit")
-        if raw is None or raw == "":
-            limit = 100
-        elif not isinstance(raw, str) or not P.INT_RE.fullmatch(raw) or not 1 <= P.text_int(raw) <= 1000:
-            raise ApiError(400, "invalid_paging", "limit must be an integer between 1 and 1000.")
-        else:
-            limit = int(raw)
+        limit = list_limit(req, "the audit", 100)
         before = None
         cursor = req.params.get("cursor")
         if cursor:
