@@ -112,9 +112,11 @@ def call_with(app):
 class HttpCaller:
     """`--http`: the call as bytes through qag's worker class (qag/server/gworker.py QagWorker.handle: gunicorn's
     parser, wsgi.create, the answer written to the socket) on a socketpair, for either application: the HTTP
-    layer's own cost beside the application's. The main thread's epoll hand-off is not in it."""
+    layer's own cost beside the application's. The main thread's epoll hand-off is not in it. The floor's calls keep
+    gunicorn's parser and wsgi.create (`fast=False`), as under stock gunicorn: qag's fast path
+    (qag/server/fasthttp.py) is qag's, not the floor's."""
 
-    def __init__(self, app):
+    def __init__(self, app, fast=True):
         import socket
 
         from gunicorn.config import Config
@@ -130,6 +132,8 @@ class HttpCaller:
         w.send_timeout = 30.0
         if hasattr(gworker, '_hooks'):
             w.pre_hook, w.post_hook, w.timed = gworker._hooks(cfg, w.log)
+        if hasattr(gworker, '_fast_head'):
+            w.fast = gworker._fast_head(cfg, w.log) if fast else None
         self.worker = w
         self.ours, self.theirs = socket.socketpair()
         conn = TConn(cfg, self.ours, ('127.0.0.1', 40000), ('127.0.0.1', 8080))
@@ -229,7 +233,7 @@ class FloorApp:
         os.environ['FLOOR_PG_DSN'] = f"postgresql://postgres@127.0.0.1:5432/{DATA_DB}"
         sys.path.insert(0, os.path.join(BENCH, 'floors'))
         import falcon_pg
-        self.call = HttpCaller(falcon_pg.app) if http else call_with(falcon_pg.app)
+        self.call = HttpCaller(falcon_pg.app, fast=False) if http else call_with(falcon_pg.app)
 
     def beat(self):
         pass

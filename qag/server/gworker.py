@@ -22,6 +22,7 @@ import threading
 import time
 from collections import deque
 from datetime import datetime
+from itertools import chain
 
 from gunicorn import config as gconfig
 from gunicorn import http
@@ -30,6 +31,8 @@ from gunicorn.http import message as gmessage
 from gunicorn.http import wsgi
 from gunicorn.workers import gthread
 from gunicorn.workers.gthread import TConn, ThreadWorker
+
+from qag.server import fasthttp
 
 _EV_CONN = select.EPOLLIN | select.EPOLLONESHOT | select.EPOLLRDHUP
 _STOP = object()
@@ -145,6 +148,62 @@ class QagResponse(wsgi.Response):
         return [h for h in super().default_headers() if not h.startswith("Server:")]
 
 
+class FastResponse(QagResponse):
+    """QagResponse for a request the fast path read (fasthttp.FastRequest): the same head in fewer steps, gunicorn's
+    default_headers (less the Server line QagResponse drops) and the header lines formatted in one operation
+    instead of a list comprehension. Every item of self.headers is a (name, value) pair: process_headers put it
+    there, through gunicorn's loop or QagResponse's zip, which takes no item of another length."""
+
+    def _connection(self):
+        if self.upgrade:
+            return "upgrade"
+        return "close" if self.should_close() else "keep-alive"
+
+    def default_headers(self):
+        v = self.req.version
+        head = [f"HTTP/{v[0]}.{v[1]} {self.status}\r\n", f"Date: {gutil.http_date()}\r\n",
+                f"Connection: {self._connection()}\r\n"]
+        if self.chunked:
+            head.append("Transfer-Encoding: chunked\r\n")
+        return head
+
+    def _head(self) -> bytes:
+        v = self.req.version
+        h = self.headers
+        head = (f"HTTP/{v[0]}.{v[1]} {self.status}\r\nDate: {gutil.http_date()}\r\n"
+                f"Connection: {self._connection()}\r\n{_CHUNKED if self.chunked else ''}"
+                + ("%s: %s\r\n" * len(h)) % tuple(chain.from_iterable(h)) + "\r\n")
+        return head.encode("latin-1")
+
+    def send_headers(self):
+        if self.headers_sent:
+            return
+        gutil.write(self.sock, self._head())
+        self.headers_sent = True
+
+    def write(self, arg):
+        """The head and the first piece of the body in one send where gunicorn's write would send that piece
+        whole right after the head (a body that is not dropped, not cut to Content-Length): the same bytes in
+        one system call instead of two. Anything else is gunicorn's write."""
+        if self.headers_sent or arg.__class__ is not bytes or self._omits_body:
+            return super().write(arg)
+        n = len(arg)
+        if self.chunked:
+            if not n:
+                return super().write(arg)
+            data = self._head() + b"%X\r\n" % n + arg + b"\r\n"  # util.write_chunk's framing
+        elif self.response_length is None or n <= self.response_length:
+            data = self._head() + arg
+        else:
+            return super().write(arg)
+        gutil.write(self.sock, data)
+        self.headers_sent = True
+        self.sent += n
+
+
+_CHUNKED = "Transfer-Encoding: chunked\r\n"
+
+
 def _hooks(cfg, log):
     """(pre_request, post_request, timed) for handle_request: gunicorn's default hooks are None when they would do
     nothing (pre_request only logs at debug level, post_request is empty), and a request is timed only for an
@@ -159,6 +218,16 @@ def _hooks(cfg, log):
         post = None
     timed = getattr(log, "access_log_enabled", True)
     return pre, post, bool(timed)
+
+
+def _fast_head(cfg, log):
+    """The fast path's per-worker state (qag/server/fasthttp.py), or None where the configuration leaves every
+    request to gunicorn's parser (said once in the log)."""
+    why = fasthttp.unavailable(cfg)
+    if why is not None:
+        log.info("Every request is read by gunicorn's parser: %s", why)
+        return None
+    return fasthttp.FastHead(cfg)
 
 
 # -- what the main thread reads before a thread is committed ------------------------------------------------
@@ -317,6 +386,7 @@ class QagWorker(ThreadWorker):
         self.lock = threading.Lock()  # guards self.conns: threads drop closed connections, the loop adds
         self.poller = None  # gthread's selector is not used
         self.pre_hook, self.post_hook, self.timed = _hooks(self.cfg, self.log)
+        self.fast = _fast_head(self.cfg, self.log)
         self.tpool = None
         # base.Worker.init_process ends by calling run(); it also installs the signal handlers.
         super(ThreadWorker, self).init_process()
@@ -395,6 +465,18 @@ class QagWorker(ThreadWorker):
         the thread (a stream's generators close and release its database session)."""
         req = None
         try:
+            fast = self.fast
+            if fast is not None:
+                req = fast.parse(conn)
+                if req.__class__ is not str:  # read here: the buffer holds what follows the request
+                    keep = self.handle_request(req, conn)
+                    if keep is _DETACHED:
+                        return keep
+                    if not keep or conn.close_after:
+                        return False
+                    conn.continued = False
+                    return True
+                req = None  # gunicorn's parser reads it (the str says why)
             if conn.parser is None:
                 conn.parser = http.get_parser(self.cfg, conn.sock, conn.client)
             conn.parser.unreader.unread(bytes(conn.buf))
@@ -438,8 +520,13 @@ class QagWorker(ThreadWorker):
             request_start = datetime.now() if self.timed else None
             if conn.continued:  # this worker's main thread sent the 100 already (_continue)
                 req._expected_100_continue = False
-            resp, environ = wsgi.create(req, conn.sock, conn.client, conn.server, self.cfg, QagResponse)
-            environ["wsgi.multithread"] = True
+            if req.__class__ is fasthttp.FastRequest:  # its environ is wsgi.create's, less early_hints
+                resp = FastResponse(req, conn.sock, self.cfg)
+                environ = req.environ
+                environ["wsgi.early_hints"] = wsgi._make_early_hints_callback(req, conn.sock, resp)
+            else:
+                resp, environ = wsgi.create(req, conn.sock, conn.client, conn.server, self.cfg, QagResponse)
+                environ["wsgi.multithread"] = True
             if conn.too_many:
                 environ["qag.too_many_calls"] = True
                 conn.too_many = False

@@ -76,6 +76,53 @@ def test_keepalive_and_pipelined_requests_on_one_connection(srv):
         s.close()
 
 
+def test_pipelined_fast_and_gunicorn_read_requests_on_one_connection(srv):
+    """The worker reads the common request itself (qag/server/fasthttp.py) and leaves the others to gunicorn's
+    parser: one connection carrying both kinds, pipelined in one write (a body, HEAD, HTTP/1.0 keep-alive, an
+    absolute-form target and a forwarded-scheme header for gunicorn), gets every answer in order, each with its
+    Connection header, and is closed after the request that asks for it."""
+    key = srv.admin["X-API-Key"]
+    body = json.dumps({"name": "cpipe", "db": "postgres", "host": "127.0.0.1", "port": 5432,
+                       "user": "postgres", "database": "postgres"}).encode()
+    reqs = [
+        (b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", b"HTTP/1.1 200", b"keep-alive"),
+        (b"GET http://x/health HTTP/1.1\r\nHost: x\r\n\r\n", b"HTTP/1.1 200", b"keep-alive"),  # gunicorn's
+        (f"POST /api/v1/connections HTTP/1.1\r\nHost: x\r\nX-API-Key: {key}\r\nContent-Type: application/json"
+         f"\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body, b"HTTP/1.1 201", b"keep-alive"),
+        (b"HEAD /health HTTP/1.1\r\nHost: x\r\n\r\n", b"HTTP/1.1 200", b"keep-alive"),
+        (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Forwarded-Proto: https\r\n\r\n", b"HTTP/1.1 200",
+         b"keep-alive"),  # gunicorn's
+        (b"GET /health HTTP/1.0\r\nConnection: keep-alive\r\n\r\n", b"HTTP/1.0 200", b"keep-alive"),
+        (f"GET /api/v1/connections HTTP/1.1\r\nHost: x\r\nx-api-key:  {key} \r\n\r\n".encode(), b"HTTP/1.1 200",
+         b"keep-alive"),
+        (b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", b"HTTP/1.1 200", b"close"),
+    ]
+    s = raw(srv)
+    try:
+        s.sendall(b"".join(r for r, _, _ in reqs))
+        buf = b""
+        for r, status, connection in reqs:
+            while b"\r\n\r\n" not in buf:
+                chunk = s.recv(65536)
+                assert chunk, f"closed before the answer to {r[:40]!r}"
+                buf += chunk
+            head, buf = buf.split(b"\r\n\r\n", 1)
+            lines = head.split(b"\r\n")
+            assert lines[0].startswith(status), (r[:40], head)
+            fields = {k.strip().lower(): v.strip() for k, v in (x.split(b":", 1) for x in lines[1:])}
+            assert fields[b"connection"] == connection, (r[:40], head)
+            length = 0 if r.startswith(b"HEAD") else int(fields[b"content-length"])
+            while len(buf) < length:
+                buf += s.recv(65536)
+            answer, buf = buf[:length], buf[length:]
+            if b"/api/v1/connections HTTP" in r and r.startswith(b"GET"):
+                assert b'"cpipe"' in answer, answer[:300]
+        s.settimeout(5)
+        assert buf == b"" and s.recv(65536) == b"", "the connection stays open after Connection: close"
+    finally:
+        s.close()
+
+
 def test_idle_connections_hold_no_thread(srv):
     """Connections that never send a byte wait in epoll: with 2 threads, 6 of them don't delay a call
     (gthread would hold a thread up to 5 s for each one that sends nothing)."""
