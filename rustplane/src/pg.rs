@@ -10,7 +10,9 @@ use crate::pool::{self, Lease, Pool, Pooled, Pools};
 use crate::params::PVal;
 use crate::pyfmt::{decimal_str, float_repr, hex};
 use crate::render::{parse_json, Cell, Page};
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
+use postgres_protocol::message::backend::Message;
+use postgres_protocol::message::frontend;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::error::Error as StdError;
@@ -536,57 +538,194 @@ impl Lease<Session> {
     }
 
     /// Execute a write in its own transaction and commit it, as connectors.py's write does (psycopg2 without
-    /// autocommit: BEGIN, the statement, COMMIT), then reset the session (S5: writes are always reset), all
-    /// four sent at once (tokio-postgres pipelines requests polled together: one write, one round trip). The
-    /// rows it changed (the command tag's count, psycopg2's rowcount) when it committed.
+    /// autocommit: BEGIN, the statement, COMMIT), then reset the session (S5: writes are always reset), all in one
+    /// message under one Sync (`write_messages`): PostgreSQL answers it in one flush, at its ReadyForQuery, so the
+    /// plane's thread sleeps once per write for the database instead of once per statement (four before:
+    /// bench/results/2026-12-06-plane-writes). The rows it changed (the statement's CommandComplete count,
+    /// psycopg2's rowcount) when it committed.
     ///
-    /// What the database holds after each outcome: the statement failed (a server error) — the transaction is
-    /// aborted and the pipelined COMMIT ends it as a ROLLBACK: nothing committed; the statement ran and COMMIT
-    /// failed (a deferred constraint, a serialization failure) — rolled back as well; both answered — committed.
-    /// A session lost on the way (no server error, or SQLSTATE 08/57P) leaves it unknown: `Lost`.
+    /// Under one Sync an error makes the server skip every message up to the Sync, so the answers tell which
+    /// statement failed (`WriteEnd`), and what the database holds after each outcome is: the statement failed (a
+    /// server error) — nothing committed, the explicit transaction left failed (ReadyForQuery 'E'); the statement
+    /// ran and COMMIT failed (a deferred constraint, a serialization failure) — rolled back (ReadyForQuery 'I');
+    /// both answered — committed. In the first two the reset was skipped: `ROLLBACK` (when the transaction is
+    /// still open) and the reset follow as one simple query, a second round trip on this rare path, before the
+    /// session serves anyone else, or it is not reused. A session lost on the way (no server error, or SQLSTATE
+    /// 08/57P) before COMMIT answered leaves the outcome unknown: `Lost`; lost after, the write committed and only
+    /// the session is given up.
     pub(crate) async fn write(&mut self, st: &Statement, args: &[Arg]) -> Result<u64, WriteError> {
-        let params: Vec<&(dyn ToSql + Sync)> = args.iter().map(|a| a as &(dyn ToSql + Sync)).collect();
+        if args.len() != st.params().len() {
+            return Err(WriteError::NotRun("parameter count")); // write_pg checked it: nothing is sent
+        }
+        let messages = write_messages(st, args).map_err(|_| WriteError::NotRun("parameter encoding"))?;
         let session = self.session_mut();
         session.busy = true;
-        let client = &session.client;
-        let (begin, result, commit, reset) = futures_util::future::join4(
-            client.batch_execute("BEGIN"),
-            client.execute(st, &params),
-            client.batch_execute("COMMIT"),
-            client.batch_execute(RESET_SESSION),
-        )
-        .await;
-        session.busy = false;
-        if reset.is_err() {
-            session.healthy = false; // a session whose reset failed is not reused (S5)
-        }
-        let lost = |e: &tokio_postgres::Error| e.as_db_error().is_none() || is_stale(e);
-        // BEGIN cannot fail on an idle session but for the connection itself; had it, the statement would have run
-        // in its own implicit transaction, whose outcome is the statement's: the rules below still hold
-        if let Err(e) = &begin {
-            if lost(e) {
-                session.healthy = false;
-                return Err(WriteError::Lost(first_line(e)));
+        let answers = session.client.pipeline_raw(messages).await;
+        let end = write_end(&answers);
+        let out = match end {
+            WriteEnd::Committed(n) => Ok(n),
+            WriteEnd::CommittedResetFailed(n) => {
+                session.healthy = false; // a session whose reset failed is not reused (S5)
+                Ok(n)
             }
-        }
-        let count = match result {
-            Ok(n) => n,
-            Err(e) if lost(&e) => {
+            WriteEnd::Lost(text) => {
                 session.healthy = false;
-                return Err(WriteError::Lost(first_line(&e)));
+                Err(WriteError::Lost(text))
             }
-            Err(e) if e.code() == Some(&SqlState::QUERY_CANCELED) => return Err(WriteError::Timeout),
-            Err(e) => return Err(WriteError::Rejected(first_line(&e))),
+            WriteEnd::Failed { error, at, open } => {
+                // the skipped reset, and the failed transaction's ROLLBACK when it is still open
+                let reset = if open { ROLLBACK_RESET_SESSION } else { RESET_SESSION };
+                if session.client.batch_execute(reset).await.is_err() {
+                    session.healthy = false;
+                }
+                Err(match error.code() {
+                    Some(c) if *c == SqlState::QUERY_CANCELED && at == WriteStep::Statement => WriteError::Timeout,
+                    _ => WriteError::Rejected(first_line(error)),
+                })
+            }
         };
-        match commit {
-            Ok(()) => Ok(count),
-            Err(e) if lost(&e) => {
-                session.healthy = false;
-                Err(WriteError::Lost(first_line(&e)))
+        session.busy = false;
+        out
+    }
+}
+
+/// The statements of `RESET_SESSION`, each sent as Parse/Bind/Execute after the write's COMMIT, where they run in
+/// the extended protocol's implicit transaction, committed at the Sync. Checked on this machine's PostgreSQL 15.20
+/// (a raw-protocol client, 2026-12-06): each answers CommandComplete there, and what a write left (a setting, an
+/// advisory lock, a temporary table, LISTEN) is gone for the session's next statement
+/// (tests/e2e/test_plane_writes.py `test_a_write_leaves_nothing_on_its_session`). `DISCARD ALL` is not among them
+/// for the reason `RESET_SESSION` gives (it would deallocate the plane's prepared statements), not because of the
+/// implicit transaction (15.20 ran it there too).
+const RESET_STATEMENTS: [&str; 8] = ["CLOSE ALL", "SET SESSION AUTHORIZATION DEFAULT", "RESET ALL", "UNLISTEN *",
+    "SELECT pg_advisory_unlock_all()", "DISCARD PLANS", "DISCARD TEMP", "DISCARD SEQUENCES"];
+
+/// After a write failed inside its explicit transaction (ReadyForQuery 'E'): end it, then the reset.
+const ROLLBACK_RESET_SESSION: &str = "ROLLBACK; CLOSE ALL; SET SESSION AUTHORIZATION DEFAULT; RESET ALL; \
+UNLISTEN *; SELECT pg_advisory_unlock_all(); DISCARD PLANS; DISCARD TEMP; DISCARD SEQUENCES";
+
+/// What comes before and after the statement in a write's message, the same for every write: Parse/Bind/Execute of
+/// `BEGIN` (unnamed statement and portal); then Parse/Bind/Execute of `COMMIT`, of each of `RESET_STATEMENTS`,
+/// and the one Sync.
+struct WriteFrame {
+    before: Bytes,
+    after: Bytes,
+}
+
+fn simple_step(sql: &str, buf: &mut BytesMut) -> std::io::Result<()> {
+    frontend::parse("", sql, std::iter::empty(), buf)?;
+    frontend::bind("", "", std::iter::empty(), std::iter::empty::<()>(), |_, _| Ok(postgres_protocol::IsNull::No),
+                   std::iter::empty(), buf)
+        .map_err(|_| std::io::Error::other("bind"))?;
+    frontend::execute("", 0, buf)
+}
+
+fn write_frame() -> WriteFrame {
+    let mut buf = BytesMut::with_capacity(512);
+    simple_step("BEGIN", &mut buf).expect("a constant statement encodes");
+    let before = buf.split().freeze();
+    simple_step("COMMIT", &mut buf).expect("a constant statement encodes");
+    for sql in RESET_STATEMENTS {
+        simple_step(sql, &mut buf).expect("a constant statement encodes");
+    }
+    frontend::sync(&mut buf);
+    WriteFrame { before, after: buf.freeze() }
+}
+
+thread_local! {
+    static WRITE_FRAME: WriteFrame = write_frame();
+}
+
+/// A write's whole message: `WriteFrame::before`, Bind/Execute of the prepared statement with its values in text
+/// format (no format codes: all text, as `Arg` sends them; no result format codes, the statement has no columns),
+/// `WriteFrame::after`.
+fn write_messages(st: &Statement, args: &[Arg]) -> std::io::Result<Bytes> {
+    WRITE_FRAME.with(|f| {
+        let len: usize = args.iter().map(|a| a.0.as_ref().map_or(4, |s| 4 + s.len())).sum();
+        let mut buf = BytesMut::with_capacity(f.before.len() + f.after.len() + st.server_name().len() + len + 32);
+        buf.extend_from_slice(&f.before);
+        frontend::bind("", st.server_name(), std::iter::empty(), args.iter(), |a, out| match &a.0 {
+            None => Ok(postgres_protocol::IsNull::Yes),
+            Some(s) => {
+                out.extend_from_slice(s.as_bytes());
+                Ok(postgres_protocol::IsNull::No)
             }
-            Err(e) => Err(WriteError::Rejected(first_line(&e))),
+        }, std::iter::empty(), &mut buf)
+            .map_err(|_| std::io::Error::other("bind"))?;
+        frontend::execute("", 0, &mut buf)?;
+        buf.extend_from_slice(&f.after);
+        Ok(buf.freeze())
+    })
+}
+
+/// Which of a write's statements an answer belongs to: counted by the CommandCompletes before it.
+#[derive(Debug, PartialEq, Clone, Copy)]
+enum WriteStep {
+    Begin,
+    Statement,
+    Commit,
+    Reset,
+}
+
+fn step_at(completed: usize) -> WriteStep {
+    match completed {
+        0 => WriteStep::Begin,
+        1 => WriteStep::Statement,
+        2 => WriteStep::Commit,
+        _ => WriteStep::Reset,
+    }
+}
+
+/// How a write's exchange ended, read from the server's answers in order.
+#[derive(Debug)]
+enum WriteEnd<'a> {
+    /// COMMIT and the reset answered: the statement's count.
+    Committed(u64),
+    /// COMMIT answered, the reset did not (a server error in it, or the session lost after COMMIT).
+    CommittedResetFailed(u64),
+    /// The session was lost before COMMIT answered (no server error, or SQLSTATE 08/57P): unknown outcome.
+    Lost(String),
+    /// A server error in BEGIN, the statement or COMMIT: nothing committed; `open` when the explicit transaction
+    /// is still open (ReadyForQuery 'E' or 'T'), to be rolled back.
+    Failed { error: &'a tokio_postgres::Error, at: WriteStep, open: bool },
+}
+
+fn write_end(answers: &[Result<Message, tokio_postgres::Error>]) -> WriteEnd<'_> {
+    let mut completed = 0;
+    let mut count = 0;
+    let mut failed: Option<(&tokio_postgres::Error, WriteStep)> = None;
+    for a in answers {
+        match a {
+            Ok(Message::CommandComplete(body)) => {
+                if completed == 1 {
+                    // tokio-postgres's extract_row_affected: the tag's last word ("UPDATE 3", "INSERT 0 1")
+                    count = body.tag().ok().and_then(|t| t.rsplit(' ').next()?.parse().ok()).unwrap_or(0);
+                }
+                completed += 1;
+            }
+            Ok(Message::ReadyForQuery(body)) => {
+                return match failed {
+                    None if completed == 3 + RESET_STATEMENTS.len() => WriteEnd::Committed(count),
+                    None if completed >= 3 => WriteEnd::CommittedResetFailed(count),
+                    Some((_, WriteStep::Reset)) => WriteEnd::CommittedResetFailed(count),
+                    Some((error, at)) => WriteEnd::Failed { error, at, open: body.status() != b'I' },
+                    // BEGIN, the statement and COMMIT each answer before ReadyForQuery unless one failed: an
+                    // answer short of them is not one this exchange can have, and says nothing of the outcome
+                    None => WriteEnd::Lost("unexpected answer to the write".into()),
+                };
+            }
+            Ok(_) => {}
+            Err(e) if e.as_db_error().is_none() || is_stale(e) => {
+                return if completed >= 3 { WriteEnd::CommittedResetFailed(count) } else { WriteEnd::Lost(first_line(e)) };
+            }
+            Err(e) => {
+                if failed.is_none() {
+                    failed = Some((e, step_at(completed)));
+                }
+            }
         }
     }
+    // pipeline_raw ends with ReadyForQuery or with an error that is not the server's: not reached
+    WriteEnd::Lost("connection closed".into())
 }
 
 #[cfg(test)]
@@ -689,6 +828,30 @@ mod tests {
         let two = data_row(&[Some(&5i32.to_be_bytes()), Some(&[0xff])]);
         assert_eq!(decode_row(&[&Type::INT4, &Type::TEXT], &two, &mut cells), Err("value the plane cannot render"));
         assert_eq!(cells, vec![Cell::Int(1)]);
+    }
+
+    /// The message tags of a run of frontend messages (each a tag, a big-endian length counting itself, a body).
+    fn tags(mut b: &[u8]) -> String {
+        let mut out = String::new();
+        while !b.is_empty() {
+            out.push(b[0] as char);
+            let len = u32::from_be_bytes([b[1], b[2], b[3], b[4]]) as usize;
+            b = &b[1 + len..];
+        }
+        out
+    }
+
+    #[test]
+    fn a_write_is_one_sync() {
+        // BEGIN, then (the statement's Bind/Execute between), COMMIT and each reset statement, and one Sync at the end
+        let f = write_frame();
+        assert_eq!(tags(&f.before), "PBE");
+        assert_eq!(tags(&f.after), format!("{}S", "PBE".repeat(1 + RESET_STATEMENTS.len())));
+        assert!(f.after.windows(7).any(|w| w == b"COMMIT\0"));
+        // the simple-query resets say the same statements
+        assert_eq!(RESET_SESSION, RESET_STATEMENTS.join("; "));
+        assert_eq!(ROLLBACK_RESET_SESSION, format!("ROLLBACK; {RESET_SESSION}"));
+        assert!(!RESET_STATEMENTS.contains(&"DISCARD ALL")); // it would deallocate the prepared statements
     }
 
     #[test]

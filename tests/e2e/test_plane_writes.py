@@ -28,6 +28,33 @@ PG_SCHEMA = """
 CREATE TABLE accounts (id int PRIMARY KEY, balance int NOT NULL CHECK (balance >= -100), note text);
 CREATE TABLE ledger (id serial PRIMARY KEY, aid int NOT NULL, amount int NOT NULL)
 """
+# What a write can leave on its session (a function an administrator allowed with allow_unsafe: governance sees
+# plain DML, the plane serves it), and a probe that writes down what it finds on its own session (connectors.py
+# S5: a session is reset after every write, before anyone else uses it). Each statement is executed on its own.
+PG_SESSION_STATE = [
+    "CREATE TABLE funds (id int PRIMARY KEY)",
+    "INSERT INTO funds SELECT generate_series(1, 20)",
+    "CREATE TABLE pledges (id int PRIMARY KEY, aid int NOT NULL REFERENCES funds (id) DEFERRABLE INITIALLY DEFERRED)",
+    "CREATE TABLE probes (id serial PRIMARY KEY, pid int NOT NULL, state text NOT NULL)",
+    """CREATE FUNCTION leave_state() RETURNS int LANGUAGE plpgsql AS $$ BEGIN
+       PERFORM set_config('qag.left', 'yes', false); PERFORM set_config('work_mem', '7MB', false);
+       PERFORM pg_advisory_lock(4242); CREATE TEMP TABLE IF NOT EXISTS leftover (x int); LISTEN qag_left;
+       RETURN 0; END $$""",
+    """CREATE FUNCTION session_state() RETURNS text LANGUAGE sql AS $$ SELECT concat_ws(' ',
+       CASE WHEN current_setting('qag.left', true) = 'yes' THEN 'setting' END,
+       CASE WHEN current_setting('work_mem') = '7MB' THEN 'work_mem' END,
+       CASE WHEN EXISTS (SELECT FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()) THEN 'lock' END,
+       CASE WHEN to_regclass('pg_temp.leftover') IS NOT NULL THEN 'temp' END,
+       CASE WHEN EXISTS (SELECT FROM pg_listening_channels()) THEN 'listen' END) $$""",
+]
+PG_STATEFUL = {
+    # leave_state() / 0: the function ran (its lock is a session's, kept when the statement fails), then the error
+    "stateful": ("UPDATE accounts SET balance = balance + leave_state() / :d WHERE id = :id",
+                 {"id": "int", "d": "int"}),
+    # a pledge to a fund that does not exist fails at COMMIT (the deferred foreign key), after leave_state()
+    "pledge": ("INSERT INTO pledges (id, aid) VALUES (:id + leave_state(), :aid)", {"id": "int", "aid": "int"}),
+    "probe": ("INSERT INTO probes (pid, state) VALUES (pg_backend_pid(), session_state())", {}),
+}
 MY_SCHEMA = f"""
 DROP DATABASE IF EXISTS {MY_DB};
 CREATE DATABASE {MY_DB} CHARACTER SET utf8mb4;
@@ -95,7 +122,7 @@ def _keys(srv, conn):
             "reader": post({"name": "reader", "queries": ["*"], "connections": [conn]})}
 
 
-def _stack(connection, dialect):
+def _stack(connection, dialect, unsafe=None):
     import requests
 
     from tests.conftest import start_server
@@ -107,6 +134,12 @@ def _stack(connection, dialect):
     for q, (sql, params) in queries.items():
         r = requests.post(srv.base + "/api/v1/queries", json={"name": q, "connection_name": connection["name"],
                                                               "sql": sql, "parameters": params, "publish": True},
+                          headers=srv.admin, timeout=30)
+        assert r.status_code == 201, r.text
+    for q, (sql, params) in (unsafe or {}).items():
+        r = requests.post(srv.base + "/api/v1/queries", json={"name": q, "connection_name": connection["name"],
+                                                              "sql": sql, "parameters": params, "publish": True,
+                                                              "allow_unsafe": True},
                           headers=srv.admin, timeout=30)
         assert r.status_code == 201, r.text
     srv.keys = _keys(srv, connection["name"])
@@ -122,8 +155,10 @@ def stack(request):
         dsn = pg_fresh_db(PG_DB)
         for stmt in PG_SCHEMA.split(";\n"):
             pg_exec(dsn, stmt, None)
+        for stmt in PG_SESSION_STATE:
+            pg_exec(dsn, stmt, None)
         srv = _stack({"name": "pg", "db": "postgres", "host": "127.0.0.1", "port": 5432, "user": "postgres",
-                      "database": PG_DB}, "postgres")
+                      "database": PG_DB}, "postgres", PG_STATEFUL)
         srv.seed, srv.state, srv.dsn = _seed_pg, _state_pg, dsn
     else:
         try:
@@ -275,3 +310,50 @@ def test_a_write_over_its_limit_is_rolled_back(stack):
     time.sleep(1.5)
     runs = _history(srv, "slow_deposit")
     assert runs["slow-p"]["served_by"] == "plane" and runs["slow-p"]["code"] == "query_timeout", runs["slow-p"]
+
+
+def test_a_write_leaves_nothing_on_its_session(stack):
+    """PostgreSQL: every write through the plane leaves its session as it found it, whatever the write's outcome:
+    committed, its statement failed (the transaction left failed by the server), its COMMIT failed (a deferred
+    constraint). After each, a probe write on the same session finds no setting, advisory lock, temporary table
+    or LISTEN left, and a good write commits (the session does not carry the failed transaction). Python's
+    answers to the same calls are the plane's, and its sessions are left as clean."""
+    srv = stack
+    if srv.dialect != "postgres":
+        pytest.skip("PostgreSQL's session state")
+    h = {"X-API-Key": srv.keys["writer"]}
+    calls = [("/q/probe", 200), ("/q/stateful?id=1&d=1", 200), ("/q/probe", 200),
+             ("/q/stateful?id=1&d=0", 500), ("/q/probe", 200),           # the statement fails
+             ("/q/pledge?id=1&aid=999", 500), ("/q/probe", 200),         # COMMIT fails
+             ("/q/pledge?id=2&aid=5", 200), ("/q/probe", 200),
+             ("/q/open_account?id=3&balance=1", 500), ("/q/deposit?id=4&delta=7", 200),  # a failure, then a write
+             ("/q/stateful?id=6&d=0", 500), ("/q/deposit?id=6&delta=3", 200), ("/q/probe", 200)]
+    direct = UnixConn(srv.sock)
+    srv.seed(srv.dsn)
+    for path in ("/q/probe", "/q/stateful?id=1&d=1", "/q/pledge?id=9&aid=5"):  # Python publishes the plans
+        a = _call(direct, path, h)
+        assert a[0] == 200, (path, a)
+    answers, states = {}, {}
+    for tag, conn in (("y", direct), ("p", http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30))):
+        srv.seed(srv.dsn)
+        pg_exec(srv.dsn, "TRUNCATE pledges, probes", None)
+        answers[tag] = []
+        for i, (path, status) in enumerate(calls):
+            a = _call(conn, path, {**h, "X-Request-Id": f"s{tag}{i}"})
+            assert a[0] == status, (tag, path, a)
+            answers[tag].append((a[0], a[1].replace(f"s{tag}{i}".encode(), b"<rid>")))
+        states[tag] = (srv.state(srv.dsn), pg_exec(srv.dsn, "SELECT id, aid FROM pledges ORDER BY id", None),
+                       pg_exec(srv.dsn, "SELECT pid, state FROM probes ORDER BY id", None))
+    assert answers["p"] == answers["y"]
+    assert states["p"][:2] == states["y"][:2], "the database differs after the same calls"
+    for tag in ("y", "p"):
+        assert [state for _pid, state in states[tag][2]] == [""] * 6, (tag, states[tag][2])
+    pids = {pid for pid, _state in states["p"][2]}
+    assert len(pids) == 1, f"the plane's probes ran on one session (one connection, one thread, its pool): {pids}"
+    accounts = dict((r[0], r[1]) for r in states["p"][0][0])
+    assert accounts[4] == 400 + 7 and accounts[6] == 600 + 3 and states["p"][1] == [(2, 5)]
+    time.sleep(1.5)
+    runs = {**_history(srv, "probe"), **_history(srv, "stateful"), **_history(srv, "pledge"),
+            **_history(srv, "deposit"), **_history(srv, "open_account")}
+    assert all(runs[f"sp{i}"]["served_by"] == "plane" for i in range(len(calls))), \
+        [(c, runs[f"sp{i}"]["served_by"]) for i, c in enumerate(calls)]

@@ -16,7 +16,7 @@ use crate::{
     CancelToken, CopyInSink, Error, Row, SimpleQueryMessage, Statement, ToStatement, Transaction,
     TransactionBuilder, copy_in, copy_out, prepare, query, simple_query, slice_iter,
 };
-use bytes::{Buf, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use fallible_iterator::FallibleIterator;
 use futures_channel::mpsc;
 use futures_util::{StreamExt, TryStreamExt};
@@ -711,6 +711,38 @@ impl Client {
     /// them to this method!
     pub async fn batch_execute(&self, query: &str) -> Result<(), Error> {
         simple_query::batch_execute(self.inner(), query).await
+    }
+
+    /// qag-plane patch: send `messages` (frontend messages the caller encoded, ending with one Sync) as one
+    /// request, written to the socket at once, and hand back what the server answers to it, in order, up to and
+    /// including ReadyForQuery: each ErrorResponse as the `Err` that `Responses::poll_next` makes of it (the
+    /// server then skips to the Sync: the messages after it are the ones the Sync answers), every other message
+    /// as parsed. A connection closed (or an answer that does not parse) before ReadyForQuery ends the sequence
+    /// with that `Err`, as the crate's other calls end. Asynchronous messages (notices, notifications, parameter
+    /// changes) take the connection's own path, as for every request.
+    pub async fn pipeline_raw(&self, messages: Bytes) -> Vec<Result<Message, Error>> {
+        let mut out = Vec::with_capacity(32);
+        let mut responses = match self.inner().send(RequestMessages::Single(FrontendMessage::Raw(messages))) {
+            Ok(responses) => responses,
+            Err(e) => {
+                out.push(Err(e));
+                return out;
+            }
+        };
+        loop {
+            match responses.next().await {
+                Ok(m @ Message::ReadyForQuery(_)) => {
+                    out.push(Ok(m));
+                    return out;
+                }
+                Ok(m) => out.push(Ok(m)),
+                Err(e) if e.as_db_error().is_some() => out.push(Err(e)),
+                Err(e) => {
+                    out.push(Err(e));
+                    return out;
+                }
+            }
+        }
     }
 
     /// Check that the connection is alive and wait for the confirmation.

@@ -63,6 +63,12 @@ impl Statement {
         &self.0.name
     }
 
+    /// qag-plane patch: the name the statement is prepared under on the server, so that a caller can Bind it in
+    /// messages of its own (`Client::pipeline_raw`).
+    pub fn server_name(&self) -> &str {
+        &self.0.name
+    }
+
     /// Returns the expected types of the statement's parameters.
     pub fn params(&self) -> &[Type] {
         &self.0.params
