@@ -77,6 +77,7 @@ ANSWERS = [
                        ("Connection", "close")], [b"{}"]),
     ("200 OK", [("Content-Length", "4"), ("Server-Timing", "auth;dur=0.05, plan;dur=0.01")], [b"ab", b"cd"]),
     ("400 Bad Request", [("Content-Length", "3"), ("X-Empty", ""), ("X-Pad", " padded\t")], [b"bad"]),
+    ("500 Internal Server Error", [("Content-Length", "1")], None),  # the application raises: handle_error's 500
 ]
 
 
@@ -89,6 +90,8 @@ class App:
         self.seen.append(_snapshot(env, self.sock))
         status, headers, body = ANSWERS[sum(env["RAW_URI"].encode("latin-1")) % len(ANSWERS)]
         start_response(status, list(headers))
+        if body is None:
+            raise RuntimeError("the application failed")
         return list(body)
 
 
