@@ -5,7 +5,7 @@ The data plane (rustplane) opens the same sessions and keeps the same rules; wha
 S1 Opening a session. PostgreSQL: startup options `-c statement_timeout=<limit ms>` and, for reads,
    `-c default_transaction_read_only=on` (plus `-c search_path=` from the connection's options),
    `application_name=qag`, libpq `keepalives=1 keepalives_idle=10 keepalives_interval=5
-   keepalives_count=3 tcp_user_timeout=10000`; reads in autocommit. MySQL/MariaDB: one
+   keepalives_count=3 tcp_user_timeout=10000`; reads and writes in autocommit. MySQL/MariaDB: one
    `SET SESSION max_statement_time = <s>` (MySQL: `max_execution_time = <ms>`) and, for reads,
    `SET SESSION TRANSACTION READ ONLY`; the TCP socket gets SO_KEEPALIVE, TCP_KEEPIDLE 10, TCP_KEEPINTVL 5,
    TCP_KEEPCNT 3, TCP_USER_TIMEOUT 10000 ms. The session-level settings are the second layer; S2 is the first.
@@ -19,6 +19,12 @@ S2 A read is one message and one answer, in a transaction that cannot become rea
    MariaDB, no SET STATEMENT): the session-level settings of S1, and a `SET SESSION max_execution_time`
    around a call with its own limit. mysql-connector's `cursor()` pings the server (a second round trip);
    cursors are built directly (`MySQLCursor(conn)`), so a read is one COM_QUERY.
+   A PostgreSQL write is one message and one answer too: `SET LOCAL statement_timeout = <ms>; <statement>` in
+   autocommit, which the server runs as one implicit transaction committed at its end (a deferred constraint
+   or a serialization failure at that commit is the message's error, and nothing is kept), the count kept being
+   the statement's. The SET LOCAL is always sent: a lone statement would run outside any transaction block,
+   where `VACUUM`, `CREATE INDEX CONCURRENTLY` and the like run, which psycopg2's `BEGIN`, the plane's and this
+   message all refuse. psycopg2's own transaction was three round trips (`BEGIN`, the statement, `COMMIT`).
 S3 Time limits. A call's limit is min(QAG_QUERY_TIMEOUT, max(0.01, asked)) seconds (`?timeout=` must be a
    positive number, else 400 invalid_timeout), rounded UP to whole milliseconds (PostgreSQL
    `statement_timeout` in ms, MariaDB `max_statement_time` in seconds with 3 decimals, MySQL
@@ -568,7 +574,7 @@ class PostgresConnector(Connector):
             conn = psycopg2.connect(**{k: v for k, v in kw.items() if v is not None})
         except psycopg2.OperationalError as exc:
             raise Unreachable(self.name, _first_line(exc, self.password)) from None
-        conn.autocommit = not write  # a read is one message and one answer (S2); a write is its own transaction
+        conn.autocommit = True  # a read is one message and one answer (S2), and so is a write (its own transaction)
         if not sp and not self._pin_search_path(conn):
             conn.close()          # another session pinned another path first (ALTER ROLE in between): reopen with it
             return self._open(write)
@@ -597,10 +603,10 @@ class PostgresConnector(Connector):
     def _run(self, sess, sql, args, *, write, limit, max_rows):
         conn = sess.conn
         ms = round(limit * 1000)
-        if ms == self.session_ms:
-            text = sql if write else "SET TRANSACTION READ ONLY; " + sql
-        elif write:
+        if write:  # one implicit transaction, committed at the message's end (S2)
             text = f"SET LOCAL statement_timeout = {ms}; {sql}"
+        elif ms == self.session_ms:
+            text = "SET TRANSACTION READ ONLY; " + sql
         else:
             text = f"SET TRANSACTION READ ONLY; SET LOCAL statement_timeout = {ms}; {sql}"
         cur = conn.cursor()
@@ -611,10 +617,7 @@ class PostgresConnector(Connector):
             else:
                 cols = formats.pg_columns(cur.description)
                 rows = cur.fetchall() if max_rows is None else cur.fetchmany(max_rows)
-            count = cur.rowcount
-            if write:
-                conn.commit()
-            return cols, rows, count
+            return cols, rows, cur.rowcount
         except psycopg2.Error as exc:
             self._translate(sess, exc, limit)
             raise

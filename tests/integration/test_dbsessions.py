@@ -89,6 +89,36 @@ def test_pg_statement_error_of_an_operational_class_is_query_failed(pg):
     assert one(c, "SELECT 1") == [(1,)]
 
 
+def test_pg_a_write_is_one_message_and_its_own_transaction(pg):
+    """S2 for writes: one simple-query message in autocommit, one implicit transaction: the statement's count is
+    kept, a commit-time failure keeps nothing, a statement that refuses a transaction block is still refused, a
+    `BEGIN` cannot leave a transaction open for the next caller, and the next write finds the session clean."""
+    c, dsn = pg
+    pg_exec(dsn, "CREATE TABLE IF NOT EXISTS w_parent (id int PRIMARY KEY)")
+    pg_exec(dsn, "CREATE TABLE IF NOT EXISTS w_child (id int PRIMARY KEY, p int REFERENCES w_parent "
+                 "DEFERRABLE INITIALLY DEFERRED)")
+    pg_exec(dsn, "TRUNCATE w_child, w_parent")
+
+    def write(sql, args=()):
+        return c.run(sql, args, write=True, timeout=None, max_rows=None)
+
+    assert write("INSERT INTO w_parent SELECT g FROM generate_series(1, %s) g", (3,))[2] == 3
+    assert write("UPDATE w_parent SET id = id + 10 WHERE id >= %s RETURNING id", (2,))[1:] == ([(12,), (13,)], 2)
+    with pytest.raises(QueryFailed) as ei:  # the deferred check fails at the implicit commit: nothing kept
+        write("INSERT INTO w_child VALUES (1, 99)")
+    assert "foreign key" in ei.value.db_text
+    assert pg_exec(dsn, "SELECT count(*) FROM w_child") == [(0,)]
+    with pytest.raises(QueryFailed) as ei:  # as under BEGIN: never outside a transaction block
+        write("CREATE INDEX CONCURRENTLY w_parent_ix ON w_parent (id)")
+    assert "transaction block" in ei.value.db_text
+    assert pg_exec(dsn, "SELECT count(*) FROM pg_indexes WHERE indexname = 'w_parent_ix'") == [(0,)]
+    write("BEGIN")  # left open by the statement: rolled back and reset before the session serves again
+    assert write("INSERT INTO w_child VALUES (1, 1)")[2] == 1
+    assert pg_exec(dsn, "SELECT count(*) FROM w_child") == [(1,)]
+    assert pg_exec(dsn, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                        "AND state = 'idle in transaction'") == [(0,)]
+
+
 def test_pg_unreachable_sentence_does_not_depend_on_the_password():
     row = {"name": "gone", "db": "postgres", "host": "127.0.0.1", "port": free_port(), "user": "u",
            "database": "d", "options": {}}
