@@ -241,3 +241,30 @@ def test_parquet_decimal_schema_is_the_cursors_and_a_later_group_that_does_not_f
     assert e.value.status == 500 and "'a'" in str(e.value)
     t = _parquet(formats.stream_parquet(untyped, iter([[(1, None)] * n, [(2, 2.5)]])))
     assert t.column("b").to_pylist()[-1] == "2.5" and t.column("a").to_pylist()[-1] == 2
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(["a", "b", "k0", "v1", "rows", "__builtins__", "x y", "é", "", "lambda", "None",
+                                 "a\"b", "1"]), min_size=1, max_size=70),
+       st.integers(0, 4), st.booleans())
+def test_compiled_row_objects_are_dict_zips(cols, nrows, odd):
+    """render.row_dicts (a comprehension compiled per column list) builds exactly dict(zip(columns, row)): the same
+    keys in the same order with the same values, a repeated name keeping its first place and its last value, and
+    a row of another length cut as zip cuts it."""
+    rows = [tuple((i * 7 + j) % 5 or None for j in range(len(cols))) for i in range(nrows)]
+    if odd:
+        rows.append(tuple(range(len(cols) + 1)))
+        rows.append(tuple(range(len(cols) - 1)))
+    want = [dict(zip(cols, r)) for r in rows]
+    got = render.row_dicts(cols, rows)
+    assert got == want and [list(d.items()) for d in got] == [list(d.items()) for d in want]
+
+
+def test_compiled_row_objects_render_the_same_bytes():
+    cols = ["id", "name", "id", "amount", "at"]
+    rows = [(1, "ada", 2, decimal.Decimal("1.50"), dt.datetime(2026, 11, 30, 6, 59, 53)), (3, None, 4, None, None)]
+    want = (b'[{"id":2,"name":"ada","amount":1.50,"at":"2026-11-30T06:59:53"},'
+            b'{"id":4,"name":null,"amount":null,"at":null}]')
+    assert render.render_json(cols, rows) == want
+    assert render.render_ndjson(cols, rows) == (b'{"id":2,"name":"ada","amount":1.50,"at":"2026-11-30T06:59:53"}\n'
+                                                b'{"id":4,"name":null,"amount":null,"at":null}\n')
