@@ -33,6 +33,14 @@ def served_by(srv, rids, timeout=15.0) -> dict[str, str]:
         time.sleep(0.2)
 
 
+def wait_watcher(srv) -> None:
+    deadline = time.monotonic() + 20
+    while "qag_change_watcher_current 1.0" not in requests.get(srv.base + "/metrics", timeout=30).text:
+        assert time.monotonic() < deadline, "the change watcher never caught up"
+        time.sleep(0.1)
+    time.sleep(0.6)
+
+
 def test_evicted_entries_are_published_again_and_the_plane_serves_them():
     need_plane()
     dsn = pg_fresh_db(DB)
@@ -46,11 +54,7 @@ def test_evicted_entries_are_published_again_and_the_plane_serves_them():
                                       "sql": "SELECT id, v FROM t WHERE id = :id", "parameters": {"id": "int"}})
         keys = [post(srv, "/api/v1/api-keys", {"name": f"k{i}", "queries": ["one"]})["secret"]
                 for i in range(OTHERS + 1)]
-        deadline = time.monotonic() + 20
-        while "qag_change_watcher_current 1.0" not in requests.get(srv.base + "/metrics", timeout=30).text:
-            assert time.monotonic() < deadline, "the change watcher never caught up"
-            time.sleep(0.1)
-        time.sleep(0.6)
+        wait_watcher(srv)
         conn = http.client.HTTPConnection("127.0.0.1", int(srv.base.rsplit(":", 1)[1]), timeout=30)
 
         def call(key, rid):
@@ -98,13 +102,23 @@ def test_a_key_granted_many_queries_is_served_by_the_plane():
             post(srv, "/api/v1/queries", {"name": name, "connection_name": "pg", "publish": True,
                                           "sql": "SELECT id, v FROM t WHERE id = :id", "parameters": {"id": "int"}})
         key = post(srv, "/api/v1/api-keys", {"name": "many", "queries": names, "connections": ["pg"]})["secret"]
+        wait_watcher(srv)  # 152 changes: an entry published while generations still move is stale at once
         conn = http.client.HTTPConnection("127.0.0.1", int(srv.base.rsplit(":", 1)[1]), timeout=30)
-        rids = [f"many-{i}" for i in range(4)]
-        for rid in rids:  # the first call publishes the key's and the plan's entries; the next are the plane's
+
+        def call(rid):
             conn.request("GET", "/q/one?id=1", headers={"X-API-Key": key, "X-Request-Id": rid})
             r = conn.getresponse()
             assert r.status == 200 and r.read() == b'[{"id":1,"v":"a"}]', r.status
-        got = served_by(srv, set(rids))
-        assert [got.get(r) for r in rids[1:]] == ["plane"] * 3, got
+        call("many-publish")  # publishes the key's and the plan's entries; the next calls are the plane's
+        seen = []
+        for attempt in range(5):  # a busy machine's late change can make one round's entries stale: round again
+            rids = [f"many-{attempt}-{i}" for i in range(3)]
+            for rid in rids:
+                call(rid)
+            got = served_by(srv, set(rids))
+            seen.append([got.get(r) for r in rids])
+            if seen[-1] == ["plane"] * 3:
+                break
+        assert seen[-1] == ["plane"] * 3, seen  # before the fix the plane served none of this key's calls
     finally:
         srv.stop()
