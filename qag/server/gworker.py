@@ -164,15 +164,12 @@ class FastResponse(QagResponse):
         head = [f"HTTP/{v[0]}.{v[1]} {self.status}\r\n", f"Date: {gutil.http_date()}\r\n",
                 f"Connection: {self._connection()}\r\n"]
         if self.chunked:
-            head.append("Transfer-Encoding: chunked\r\n")
+            head.append(_CHUNKED)
         return head
 
     def _head(self) -> bytes:
-        v = self.req.version
         h = self.headers
-        head = (f"HTTP/{v[0]}.{v[1]} {self.status}\r\nDate: {gutil.http_date()}\r\n"
-                f"Connection: {self._connection()}\r\n{_CHUNKED if self.chunked else ''}"
-                + ("%s: %s\r\n" * len(h)) % tuple(chain.from_iterable(h)) + "\r\n")
+        head = "".join(self.default_headers()) + ("%s: %s\r\n" * len(h)) % tuple(chain.from_iterable(h)) + "\r\n"
         return head.encode("latin-1")
 
     def send_headers(self):
