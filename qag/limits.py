@@ -224,13 +224,18 @@ class Limiter:
         if not self.url or time.monotonic() < self._down_until:
             return None
         if self._client is None:
+            # The scripts are bound before the client is published: a thread that sees a client must find them
+            # (a CI run saw a second thread call _qlease while the first was still registering).
             import redis
-            self._client = redis.Redis.from_url(self.url, socket_timeout=SOCKET_TIMEOUT_S,
-                                                socket_connect_timeout=SOCKET_TIMEOUT_S * 4,
-                                                health_check_interval=0)
-            self._take = self._client.register_script(_TAKE)
-            self._give = self._client.register_script(_GIVE)
-            self._qlease = self._client.register_script(_QLEASE)
+            with self._lock:
+                if self._client is None:
+                    client = redis.Redis.from_url(self.url, socket_timeout=SOCKET_TIMEOUT_S,
+                                                  socket_connect_timeout=SOCKET_TIMEOUT_S * 4,
+                                                  health_check_interval=0)
+                    self._take = client.register_script(_TAKE)
+                    self._give = client.register_script(_GIVE)
+                    self._qlease = client.register_script(_QLEASE)
+                    self._client = client
         return self._client
 
     def _down(self, exc: Exception) -> None:
