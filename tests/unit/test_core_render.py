@@ -268,3 +268,68 @@ def test_compiled_row_objects_render_the_same_bytes():
     assert render.render_json(cols, rows) == want
     assert render.render_ndjson(cols, rows) == (b'{"id":2,"name":"ada","amount":1.50,"at":"2026-11-30T06:59:53"}\n'
                                                 b'{"id":4,"name":null,"amount":null,"at":null}\n')
+
+
+_TEMPLATE_VALUES = {
+    formats.INT: st.none() | st.integers(-2 ** 63, 2 ** 63 - 1),
+    formats.BOOL: st.none() | st.booleans(),
+    formats.DECIMAL: st.none() | st.decimals(allow_nan=True, allow_infinity=True)
+    | st.sampled_from([decimal.Decimal("1E+3"), decimal.Decimal("-1E-7"), decimal.Decimal("0.000")]),
+    formats.DATE: st.none() | st.dates(),
+    formats.TIMESTAMP: st.none() | st.datetimes(),
+    formats.TIMESTAMPTZ: st.none() | st.datetimes(timezones=st.timezones())
+    | st.just(dt.datetime(1890, 1, 1, tzinfo=dt.timezone(dt.timedelta(seconds=1172)))),
+}
+_TEMPLATE_NAMES = ["aid", "a%b", "%s", "%%", "a\"b", "a,b", "[", "]", "é", "x y", "\n", "", "},{"]
+
+
+@st.composite
+def _typed_pages(draw):
+    types = draw(st.lists(st.sampled_from(sorted(_TEMPLATE_VALUES)), min_size=1, max_size=5))
+    names = draw(st.lists(st.sampled_from(_TEMPLATE_NAMES), min_size=len(types), max_size=len(types), unique=True))
+    n = draw(st.integers(render._TEMPLATE_MIN_ROWS, render._TEMPLATE_MIN_ROWS + 20))
+    rows = draw(st.lists(st.tuples(*[_TEMPLATE_VALUES[t] for t in types]), min_size=n, max_size=n))
+    return formats.Columns(names, types), rows
+
+
+@pytest.mark.skipif(render._orjson is None, reason="orjson not installed: there is one path only")
+@settings(max_examples=300, deadline=None)
+@given(_typed_pages())
+def test_a_templated_page_is_the_row_objects_bytes(page):
+    """A page of typed columns whose values' JSON text holds no separator is set into a template of the column
+    names (render._templated): the same bytes as the row objects' path and the standard library's, in JSON and
+    NDJSON, whatever the names hold ("%", quotes, commas, brackets)."""
+    cols, rows = page
+    assert render._templated(cols, rows, render._fast_option(cols, rows)) is not None   # the path is taken
+    mp = pytest.MonkeyPatch()
+    try:
+        for fn in (render.render_json, render.render_ndjson):
+            fast, slow = _both(fn, cols, rows, mp)
+            assert fast == slow
+            assert fast == (b"".join(render._dumps(d, render._orjson_default, render._OPT | render._NL)
+                                     for d in render.row_dicts(cols, rows)) if fn is render.render_ndjson
+                            else render._dumps(render.row_dicts(cols, rows), render._orjson_default, render._OPT))
+    finally:
+        mp.undo()
+
+
+@pytest.mark.skipif(render._orjson is None, reason="orjson not installed: there is one path only")
+def test_a_page_the_template_cannot_hold_takes_the_row_objects_path(monkeypatch):
+    n = render._TEMPLATE_MIN_ROWS
+    ints = formats.Columns(["a", "b"], [formats.INT, formats.INT])
+    # a repeated name: a row object keeps one (its first place, its last value), so no template
+    dup = formats.Columns(["a", "a"], [formats.INT, formats.INT])
+    assert render._row_template(dup) is None
+    assert render.render_json(dup, [(1, 2)] * n) == b"[" + b",".join([b'{"a":2}'] * n) + b"]"
+    # a text column, or no declared types: no template
+    assert render._row_template(formats.Columns(["a", "s"], [formats.INT, formats.TEXT])) is None
+    assert render._row_template(["a", "b"]) is None
+    # values that are not what the column's type declares (a separator, a space, brackets in their text), and a
+    # row of another width: more or fewer pieces than places, so the row objects' path writes the page
+    for rows in ([(1, "x,y")] * n, [(1, "x y")] * n, [(1, "],[")] * n, [(1, [2, 3])] * n,
+                 [(1, 2)] * (n - 1) + [(3,)], [(1, 2)] * (n - 1) + [(3, 4, 5)]):
+        assert render._templated(ints, rows, render._OPT) is None, rows
+        for fn in (render.render_json, render.render_ndjson):
+            fast, slow = _both(fn, ints, rows, monkeypatch)
+            assert fast == slow, rows
+    assert render.render_json(ints, [(1, "x,y")] * n).startswith(b'[{"a":1,"b":"x,y"},')
