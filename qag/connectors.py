@@ -70,6 +70,7 @@ import json
 import math
 import os
 import re
+import select
 import socket
 import sqlite3
 import struct
@@ -288,7 +289,7 @@ os.register_at_fork(after_in_child=WATCHDOG._after_fork)
 class _Session:
     """One pooled database session: the driver's connection, when it was opened (S6), and what S4/S5 need."""
 
-    __slots__ = ("auth", "conn", "fired", "opened_at", "own_sock", "sock", "write")
+    __slots__ = ("auth", "conn", "fired", "opened_at", "own_sock", "pending", "sock", "write")
 
     def __init__(self, conn, write: bool, sock=None, own_sock: bool = False):
         self.conn = conn
@@ -298,6 +299,7 @@ class _Session:
         self.fired = False        # the watchdog cut this session
         self.own_sock = own_sock  # sock is a dup of the driver's descriptor, closed with the session
         self.auth = None          # S5: PostgreSQL session_authorization at open; MySQL (reset SET, sql_mode)
+        self.pending = False      # S5: a reset sent and its answer not read yet (read before the next use)
 
     def cut(self) -> None:
         try:
@@ -365,12 +367,20 @@ class Connector:
 
     # -- pool ----------------------------------------------------------------------------
     def acquire(self, write: bool) -> tuple[_Session, bool]:
-        with self._lock:
-            idle = self._idle[write]
-            sess = idle.pop() if idle else None
-            self.in_use += 1
-        if sess is not None:
-            return sess, True
+        while True:
+            with self._lock:
+                idle = self._idle[write]
+                # the longest idle first: a reset sent ahead (S5) has had the most time to be answered
+                sess = idle.pop(0) if idle else None
+                self.in_use += 1
+            if sess is None:
+                break
+            if not sess.pending or self._settle(sess):
+                return sess, True
+            # S5: its reset failed (or the session died idle): never used again; nothing ran on it yet
+            with self._lock:
+                self.in_use -= 1
+            sess.close()
         try:
             sess = self._open(write)
         except BaseException:
@@ -423,6 +433,10 @@ class Connector:
     def _reset(self, sess: _Session, clean: bool) -> bool:
         """S5: bring the session back to how it was opened; False when it must be discarded instead."""
         return True
+
+    def _settle(self, sess: _Session) -> bool:
+        """S5: the answer of a reset sent after the session's last call (sess.pending); False: discard it."""
+        return False
 
     def default_schema(self) -> str:
         raise NotImplementedError
@@ -501,6 +515,82 @@ class Connector:
 
 # ---------------------------------------------------------------------------------------------
 _PG_IDLE = psycopg2.extensions.TRANSACTION_STATUS_IDLE if psycopg2 is not None else 0
+
+
+class _LibPQ:
+    """S5's reset without waiting for its answer. psycopg2 sends a statement and sleeps until the answer comes
+    (PQexec); a `DISCARD ALL` after every write cost a worker a second sleep and wake-up per write, as much
+    CPU as the write's own round trip here (bench/results/2026-12-06-s24/notes.md). The same libpq psycopg2
+    loaded (found in /proc/self/maps: one library, one PGconn) sends it (PQsendQuery, all written in blocking
+    mode) and the pool reads its answer when the session is next taken (PQgetResult). psycopg2's own next
+    PQexec would also discard an unread result, silently; _settle reads it first so a failed reset discards the
+    session. Where the library cannot be found or bound, `send` is False and the reset waits as before."""
+
+    PGRES_COMMAND_OK = 1
+    CONNECTION_OK = 0
+
+    def __init__(self):
+        self.lib = None
+        self.tried = False
+        self.lock = threading.Lock()
+
+    def _bind(self):
+        with self.lock:
+            if self.tried:
+                return self.lib
+            self.tried = True
+            try:
+                import ctypes
+                path = None
+                with open("/proc/self/maps") as maps:
+                    for line in maps:
+                        name = line.rsplit(None, 1)[-1]
+                        if "/libpq" in name and ".so" in name:
+                            path = name
+                            break
+                if path is None:
+                    return None
+                lib = ctypes.CDLL(path)
+                vp = ctypes.c_void_p
+                lib.PQsendQuery.argtypes, lib.PQsendQuery.restype = [vp, ctypes.c_char_p], ctypes.c_int
+                lib.PQgetResult.argtypes, lib.PQgetResult.restype = [vp], vp
+                lib.PQresultStatus.argtypes, lib.PQresultStatus.restype = [vp], ctypes.c_int
+                lib.PQclear.argtypes, lib.PQclear.restype = [vp], None
+                lib.PQisnonblocking.argtypes, lib.PQisnonblocking.restype = [vp], ctypes.c_int
+                lib.PQstatus.argtypes, lib.PQstatus.restype = [vp], ctypes.c_int
+                self.lib = lib
+            except Exception:  # noqa: BLE001 - no library to bind: the reset waits for its answer
+                self.lib = None
+            return self.lib
+
+    def send(self, conn, sql: bytes) -> bool:
+        lib = self.lib if self.tried else self._bind()
+        if lib is None:
+            return False
+        ptr = conn.pgconn_ptr
+        if not ptr or lib.PQisnonblocking(ptr):
+            return False
+        return lib.PQsendQuery(ptr, sql) == 1
+
+    def settle(self, conn) -> bool:
+        """Read the one answer of what send() sent (up to its ReadyForQuery): True when it was COMMAND_OK and
+        nothing else came."""
+        lib = self.lib
+        ptr = conn.pgconn_ptr
+        if lib is None or not ptr:
+            return False
+        ok, n = False, 0
+        while True:
+            res = lib.PQgetResult(ptr)
+            if not res:
+                break
+            n += 1
+            ok = lib.PQresultStatus(res) == self.PGRES_COMMAND_OK
+            lib.PQclear(res)
+        return ok and n == 1 and lib.PQstatus(ptr) == self.CONNECTION_OK
+
+
+_LIBPQ = _LibPQ()
 
 
 class PostgresConnector(Connector):
@@ -652,14 +742,38 @@ class PostgresConnector(Connector):
                 del conn.notifies[:]
                 clean = False
             if not clean:
+                self.resets += 1
+                if conn.autocommit and _LIBPQ.send(conn, b"DISCARD ALL"):
+                    sess.pending = True   # its answer is read when the session is next taken (_settle)
+                    return True
                 ac = conn.autocommit
                 conn.autocommit = True
                 with conn.cursor() as cur:
                     cur.execute("DISCARD ALL")
                 conn.autocommit = ac
-                self.resets += 1
             return True
         except Exception:
+            return False
+
+    def _settle(self, sess):
+        """The DISCARD ALL that _reset sent: the server ran it at once (so nothing of the last call outlived it,
+        locks included); its answer, read here, says whether it worked (PQgetResult: normally already in the
+        socket's buffer, so the thread does not sleep on it; a database that does not answer is cut by S4's
+        watchdog). Anything but one COMMAND_OK: the session is discarded, before anything runs on it."""
+        WATCHDOG.arm(sess, self._session_limit + DEADLINE_MARGIN)
+        try:
+            ok = _LIBPQ.settle(sess.conn)
+        finally:
+            WATCHDOG.disarm(sess)
+        sess.pending = False
+        if not ok or sess.fired or sess.conn.closed:
+            return False
+        # The answer read up to its ReadyForQuery, an idle session has nothing more to say: bytes waiting now are
+        # a server that ended it (its FATAL, then EOF) while it sat in the pool. It goes before use (a write is
+        # never retried, S6), at the price of one poll.
+        try:
+            return not select.select((sess.sock,), (), (), 0)[0]
+        except (OSError, ValueError):
             return False
 
     def stream(self, sql, args, *, timeout, batch=500, state_free=False):

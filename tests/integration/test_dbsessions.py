@@ -119,6 +119,47 @@ def test_pg_a_write_is_one_message_and_its_own_transaction(pg):
                         "AND state = 'idle in transaction'") == [(0,)]
 
 
+def test_pg_a_reset_is_sent_at_once_and_its_answer_read_before_the_next_call(pg, monkeypatch):
+    """S5 without a second wait: after a write the session's `DISCARD ALL` is sent and the session pooled before
+    its answer is read. The server runs it at once (a session advisory lock is free again with no further call),
+    the next call reads the answer before its statement and finds nothing of the last caller's, and a session
+    whose reset answer is not a clean COMMAND_OK (here: its server process ended while it sat idle) is discarded
+    before anything runs on it, so the next write runs on a fresh session instead of failing. Without the
+    library (no libpq found) the reset waits for its answer as before."""
+    import time
+    c, dsn = pg
+
+    def write(sql, args=()):
+        return c.run(sql, args, write=True, timeout=None, max_rows=None)
+
+    write("SELECT pg_advisory_lock(4243), set_config('myapp.w', 'leak', false)")
+    (idle,) = c._idle[True]
+    assert idle.pending, "the reset was not sent ahead"
+    deadline = time.monotonic() + 5
+    while pg_exec(dsn, "SELECT pg_try_advisory_lock(4243)") != [(True,)]:
+        assert time.monotonic() < deadline, "the lock outlived the call"
+        time.sleep(0.01)
+    assert c._idle[True] == [idle] and idle.pending   # released by the reset alone: the session was not used
+    opened = c.opened
+    assert write("SELECT current_setting('myapp.w', true)")[1] == [("",)]
+    assert c.opened == opened and c._idle[True] == [idle]   # the same session, its reset read and clean
+
+    pid = write("SELECT pg_backend_pid()")[1][0][0]
+    assert c._idle[True][0].pending
+    pg_exec(dsn, f"SELECT pg_terminate_backend({pid})")
+    while pg_exec(dsn, f"SELECT 1 FROM pg_stat_activity WHERE pid = {pid}"):   # it has ended, idle in the pool
+        assert time.monotonic() < deadline + 5
+        time.sleep(0.01)
+    assert write("SELECT pg_backend_pid()")[1][0][0] != pid   # a fresh session; no 502 for a session never used
+    assert c.opened == opened + 1
+
+    monkeypatch.setattr(connectors._LIBPQ, "lib", None)
+    monkeypatch.setattr(connectors._LIBPQ, "tried", True)
+    write("SELECT set_config('myapp.w', 'leak', false)")
+    assert not c._idle[True][0].pending
+    assert write("SELECT current_setting('myapp.w', true)")[1] == [("",)]
+
+
 def test_pg_unreachable_sentence_does_not_depend_on_the_password():
     row = {"name": "gone", "db": "postgres", "host": "127.0.0.1", "port": free_port(), "user": "u",
            "database": "d", "options": {}}
