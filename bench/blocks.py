@@ -469,7 +469,7 @@ class Bench:
         calls = [c for c in self.calls if c.name.startswith(('deposit', 'write'))]
         threads = [int(x) for x in self.opts.writes_threads.split(',') if x.strip()] or [None]
         for call in calls:
-            tgts = [t for t in self.supporting(call, kinds=('gateway',))]
+            tgts = [t for t in self.supporting(call)]   # the floor too: one autocommit UPDATE, no reset
             for conns in [int(x) for x in self.opts.writes_callers.split(',')]:
                 for rnd in range(self.opts.rounds):
                     for t in H.rotated(tgts, self.rotation):

@@ -101,7 +101,8 @@ def workload(scale):
         T.Call('lookup_plain', 'account', 'plain', lookup, floor=lookup),
         T.Call('lookup_governed', 'account', 'governed', lookup),
         T.Call('page_plain', 'account_page', 'plain', page, floor=page),
-        T.Call('deposit_writer', 'deposit', 'writer', rf'/q/deposit\?aid={aid}&delta=[1-9]'),
+        T.Call('deposit_writer', 'deposit', 'writer', rf'/q/deposit\?aid={aid}&delta=[1-9]',
+               floor=rf'/q/deposit\?aid={aid}&delta=[1-9]'),
     ]
     w = T.Workload(connection, queries, keys, data_db=DATA_DB,
                    floor_env={'FLOOR_PG_DSN': f'postgresql://postgres@127.0.0.1:5432/{DATA_DB}'})

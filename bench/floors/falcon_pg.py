@@ -1,9 +1,10 @@
-"""The PostgreSQL floor: a bare Falcon app on gunicorn doing the bench's primary-key lookup with psycopg2,
-one autocommit connection per thread (one round trip per call), json, ndjson or csv out (floor_render.py). What a
-gateway is compared with.
+"""The PostgreSQL floor: a bare Falcon app on gunicorn doing the bench's primary-key lookup (and its write) with
+psycopg2, one autocommit connection per thread (one round trip per call), json, ndjson or csv out (floor_render.py).
+What a gateway is compared with.
 
 Routes mirror the gateways': GET /q/account?aid=N, /q/account_page?start=N, /q/account_range?start=N&page_size=K
-(K rows from N on: the rows-per-call block), each with &format=json|ndjson|csv, plus /health.
+(K rows from N on: the rows-per-call block), each with &format=json|ndjson|csv, /q/deposit?aid=N&delta=D
+(the writes block), plus /health.
 DSN from FLOOR_PG_DSN (default the bench's OLTP database)."""
 import os
 import threading
@@ -25,6 +26,8 @@ _SQL = {
                      'JOIN pgbench_branches b ON b.bid = a.bid WHERE a.aid BETWEEN %s AND %s + 99 ORDER BY a.aid',
                      ('start', 'start')),
     'account_range': (RANGE_SQL + ' LIMIT %s', ('start', 'page_size')),
+    # the write: one autocommit UPDATE, one round trip (a gateway also resets the session after it, S5)
+    'deposit': ('UPDATE pgbench_accounts SET abalance = abalance + %s WHERE aid = %s', ('delta', 'aid')),
 }
 
 
@@ -54,6 +57,9 @@ class _Query:
             raise falcon.HTTPBadRequest(description='format must be json, ndjson or csv')
         with _conn().cursor() as cur:
             cur.execute(sql, args)
+            if cur.description is None:  # a write: its count, as the gateways answer it
+                resp.data, resp.content_type = b'{"rowcount":%d}' % cur.rowcount, falcon.MEDIA_JSON
+                return
             cols = [d[0] for d in cur.description]
             rows = cur.fetchall()
         resp.data, resp.content_type = render(cols, rows, fmt)
