@@ -236,7 +236,12 @@ def render(c: Call) -> None:
     # the same headers in the same order, without set_header's lower() and str() per header.
     headers = resp._headers
     if plan.is_write and not c.cols:
-        body = json.dumps({"affected_rows": c.count}).encode() if opts.format == "json" else b""
+        if opts.format != "json":
+            body = b""
+        elif type(c.count) is int:   # json.dumps's own text of it, without building an encoder per call
+            body = b'{"affected_rows": %d}' % c.count
+        else:
+            body = json.dumps({"affected_rows": c.count}).encode()
         headers["x-affected-rows"] = str(c.count)
         nrows = 0
     else:
