@@ -370,8 +370,9 @@ class Connector:
         while True:
             with self._lock:
                 idle = self._idle[write]
-                # the longest idle first: a reset sent ahead (S5) has had the most time to be answered
-                sess = idle.pop(0) if idle else None
+                # the most recently released first (its server process and pages are the warmest: measured
+                # against the longest idle first, which gives a reset sent ahead more time, at 32 callers)
+                sess = idle.pop() if idle else None
                 self.in_use += 1
             if sess is None:
                 break
