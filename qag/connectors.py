@@ -40,7 +40,9 @@ S5 No state from one caller to the next. A statement is *state-free* when `state
    anything; plan.py checks the connection's views); the plan carries the verdict (`Plan.state_free`, plan
    entry field `state_free`). After a call whose statement is not proven state-free, the session is reset
    before it goes back to the pool: PostgreSQL `DISCARD ALL` (settings back to the startup packet's, advisory
-   locks, prepared statements, temp tables, LISTEN, cursors gone: one round trip); MariaDB/MySQL
+   locks, prepared statements, temp tables, LISTEN, cursors gone), sent without waiting for its answer
+   (`_LibPQ`: the server runs it at once; the answer is read when the session is next taken, and anything but
+   one COMMAND_OK, or bytes from a server that ended the idle session, discards it before use); MariaDB/MySQL
    COM_RESET_CONNECTION then one `SET NAMES 'utf8mb4' COLLATE <the session's>, autocommit = <1 read, 0 write>,
    sql_mode = <the session's>, <S1's settings>` (two round trips). Writes are always reset. After every call,
    whatever the verdict, a session that is not idle (PostgreSQL PQtransactionStatus != IDLE; MySQL in a
