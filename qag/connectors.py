@@ -522,12 +522,12 @@ _PG_IDLE = psycopg2.extensions.TRANSACTION_STATUS_IDLE if psycopg2 is not None e
 
 class _LibPQ:
     """S5's reset without waiting for its answer. psycopg2 sends a statement and sleeps until the answer comes
-    (PQexec); a `DISCARD ALL` after every write cost a worker a second sleep and wake-up per write, as much
-    CPU as the write's own round trip here (bench/results/2026-12-06-s24/notes.md). The same libpq psycopg2
-    loaded (found in /proc/self/maps: one library, one PGconn) sends it (PQsendQuery, all written in blocking
-    mode) and the pool reads its answer when the session is next taken (PQgetResult). psycopg2's own next
-    PQexec would also discard an unread result, silently; _settle reads it first so a failed reset discards the
-    session. Where the library cannot be found or bound, `send` is False and the reset waits as before."""
+    (PQexec); a `DISCARD ALL` after every write cost a worker a second sleep and wake-up per write
+    (bench/results/2026-12-06-s24/notes.md). The libpq psycopg2 is linked with (its symbols looked up through
+    psycopg2's own module: one library, one PGconn) sends it (PQsendQuery, all written in blocking mode) and
+    the pool reads its answer when the session is next taken (PQgetResult). psycopg2's own next PQexec would
+    also discard an unread result, silently; _settle reads it first so a failed reset discards the session.
+    Where the library cannot be bound, `send` is False and the reset waits for its answer as before."""
 
     PGRES_COMMAND_OK = 1
     CONNECTION_OK = 0
@@ -544,16 +544,11 @@ class _LibPQ:
             self.tried = True
             try:
                 import ctypes
-                path = None
-                with open("/proc/self/maps") as maps:
-                    for line in maps:
-                        name = line.rsplit(None, 1)[-1]
-                        if "/libpq" in name and ".so" in name:
-                            path = name
-                            break
-                if path is None:
-                    return None
-                lib = ctypes.CDLL(path)
+
+                from psycopg2 import _psycopg
+                # dlsym through psycopg2's own module finds the libpq that module was linked with (its
+                # dependencies are searched), not another one some other package may have loaded
+                lib = ctypes.CDLL(_psycopg.__file__)
                 vp = ctypes.c_void_p
                 lib.PQsendQuery.argtypes, lib.PQsendQuery.restype = [vp, ctypes.c_char_p], ctypes.c_int
                 lib.PQgetResult.argtypes, lib.PQgetResult.restype = [vp], vp
