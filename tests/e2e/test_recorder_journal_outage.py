@@ -425,7 +425,11 @@ def test_past_the_journals_bound_runs_are_lost_counted_and_logged_never_waited_f
         assert len(rids) + lost == len(answers)
         log = srv.log()
         assert "runs are being lost (qag_runs_lost_total): the recorder's run journal is full" in log
-        assert log.count("runs are being lost") <= 3  # once per episode per ring (2 workers, the plane)
+        # once per episode of losses on a ring (2 workers, the plane), not once per lost run: a ring that takes a
+        # run again ends its episode ("takes runs again after N were lost") and may start another while the store
+        # is still locked (a CI run saw a worker's ring do so: 4 such lines)
+        episodes, ended = log.count("runs are being lost"), log.count("takes runs again after")
+        assert 1 <= episodes <= ended + 3 and episodes * 10 <= lost, (episodes, ended, lost)
     finally:
         if "c" in lock:
             lock["c"].close()
