@@ -68,7 +68,6 @@ def navigating(d, find) -> None:
     it is looked up again and clicked."""
     from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
     for attempt in range(5):
         old = d.find_element(By.TAG_NAME, "html")
@@ -81,8 +80,24 @@ def navigating(d, find) -> None:
             if "does not belong to the document" not in str(exc) or attempt == 4:
                 raise
         time.sleep(0.3)
-    WebDriverWait(d, 30).until(ec.staleness_of(old))
+    WebDriverWait(d, 30).until(lambda drv: gone(old))
     WebDriverWait(d, 30).until(lambda drv: drv.execute_script("return document.readyState") == "complete")
+
+
+def gone(el) -> bool:
+    """Selenium's staleness_of, also reading Chromium's other word for a node of a replaced document: "does not
+    belong to the document" comes as a plain WebDriverException, which staleness_of lets through (a CI run saw
+    it there, while the page was being replaced)."""
+    from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
+    try:
+        el.is_enabled()
+        return False
+    except StaleElementReferenceException:
+        return True
+    except WebDriverException as exc:
+        if "does not belong to the document" in str(exc):
+            return True
+        raise
 
 
 def fill(d, form_id, values: dict, submit=True):
