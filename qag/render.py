@@ -161,8 +161,11 @@ def row_dicts(columns: list[str], rows: list) -> list[dict]:
 # a comma, bracket or space (integers, booleans, decimals, dates, timestamps: null, true, false, digits, signs,
 # points, "E", and ISO text) and the names are distinct (a dict keeps one of a repeated name). Whatever the
 # values are, a text with a separator in it makes more pieces than the template has places (TypeError: the
-# row objects' path then runs), and so does a row of another width, unless two such rows' errors cancel:
-# the row boundaries are counted too.
+# row objects' path then runs). The row boundaries are counted too, but that alone does not catch rows of unequal
+# widths whose values add up to the same count (a 3-wide row and a 5-wide one under 4 names): what keeps them out
+# is that column types come only from a driver's description (qag/formats.py pg_columns, mysql_columns; masking
+# keeps its results' rows as wide as their names, qag/http/data.py govern), and a driver's rows all have the
+# description's width. Rows of any other origin carry no types and never take this path.
 _TEMPLATE_TYPES = frozenset((_f.INT, _f.BOOL, _f.DECIMAL, _f.DATE, _f.TIMESTAMP, _f.TIMESTAMPTZ))
 _TEMPLATE_MIN_ROWS = 16  # below this the row objects' path costs as little (measured: even at 16 rows)
 _ROW_TEMPLATES: dict[tuple[str, ...], bytes | None] = {}
