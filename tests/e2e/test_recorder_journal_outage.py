@@ -272,8 +272,9 @@ def test_postgres_store_away_longer_than_the_rings_hold(private_pg):
             # Calls pause meanwhile: with no recorder at all, tiny rings fill in a second (and their
             # runs are then lost, counted and logged: a recorder's death is the one case the journal
             # does not cover).
-            # Calls resume once the new recorder is reading the rings, not when its process exists: its slot is
-            # its own (until then /metrics shows the dead one's gauges) and its loop has beaten (a CI run resumed on the dead recorder's journal gauge, and a recorder still importing on a busy
+            # Calls resume once the new recorder is reading the rings, not when its process exists: its
+            # slot is its own (until then /metrics shows the dead one's gauges) and its loop has beaten (a
+            # CI run resumed on the dead recorder's journal gauge, and a recorder still importing on a busy
             # machine let the rings fill).
             calls.go.clear()
             time.sleep(0.3)
