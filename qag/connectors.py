@@ -36,8 +36,9 @@ S4 A hung database. Every call is watched: at its limit + DEADLINE_MARGIN (1.0 s
    `connection_timeout`).
 S5 No state from one caller to the next. A statement is *state-free* when `state_free()` proves it (one
    SELECT, no INTO, no locking clause, no user-variable assignment, every function on the short list of
-   built-ins below that read nothing but their arguments) and it reads no view (a view's definition may call
-   anything; plan.py checks the connection's views); the plan carries the verdict (`Plan.state_free`, plan
+   built-ins below that read nothing but their arguments) and it reads no view and no table with row-level
+   security (a view's definition and a policy's expression may call anything; plan.py checks the connection's
+   catalogue, read once per generation); the plan carries the verdict (`Plan.state_free`, plan
    entry field `state_free`). After a call whose statement is not proven state-free, the session is reset
    before it goes back to the pool: PostgreSQL `DISCARD ALL` (settings back to the startup packet's, advisory
    locks, prepared statements, temp tables, LISTEN, cursors gone), sent without waiting for its answer
@@ -515,6 +516,11 @@ class Connector:
         partitions and INHERITS children): a masking rule on a table covers them too."""
         return {}
 
+    def row_secured(self) -> set[tuple[str, str]]:
+        """{(schema, table)} of tables with row-level security on (PostgreSQL): reading one runs its policies'
+        expressions, which may call any function, so such a read is never proven state-free (S5)."""
+        return set()
+
 
 # ---------------------------------------------------------------------------------------------
 _PG_IDLE = psycopg2.extensions.TRANSACTION_STATUS_IDLE if psycopg2 is not None else 0
@@ -883,6 +889,14 @@ class PostgresConnector(Connector):
         for cs, cn, ps, pn in rows:
             out.setdefault((cs, cn), []).append((ps, pn))
         return {k: tuple(v) for k, v in out.items()}
+
+    def row_secured(self):
+        # ENABLE ROW LEVEL SECURITY, forced or not: whether the policies apply to the connection's role (not to a
+        # superuser, nor to the owner unless forced) is not looked at; a reset costs a round trip, never an answer
+        _, rows, _ = self.run(
+            "SELECT n.nspname, c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE c.relrowsecurity", (), write=False, timeout=None, max_rows=None)
+        return {(s, n) for s, n in rows}
 
     def views(self):
         # Views and materialized views outside the catalogs; each definition is deparsed with search_path set

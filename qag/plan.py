@@ -151,23 +151,30 @@ def build(*, key: dict | None, query: dict, version: dict, connection: dict, con
         plan.unknown = getattr(gp, "unknown", ())
     plan.page_mode = "none" if plan.is_write else page_mode(sql, dialect)
     # connectors S5: a statement not proven to leave no session state gets its session reset after each call
-    # (a view's definition may call any function the statement does not name)
+    # (a view's definition, and a row security policy's expression, may call any function the statement does
+    # not name)
     plan.state_free = not plan.is_write and connectors.state_free(neutral, dialect) \
-        and not _reads_a_view(plan.tables, views_of, dialect)
+        and not _reads_code(plan.tables, views_of, dialect)
     return plan
 
 
-def _reads_a_view(tables, views_of, dialect: str) -> bool:
-    """Whether the statement reads a view (PostgreSQL, MySQL/MariaDB); True when that cannot be read."""
+def _reads_code(tables, views_of, dialect: str) -> bool:
+    """Whether the statement reads a relation whose reading runs code it does not name: a view (PostgreSQL,
+    MySQL/MariaDB) or a table with row-level security (PostgreSQL); True when that cannot be read."""
     if dialect not in ("postgres", "mysql") or not tables:
         return False
     if views_of is None:
         return True
     try:
-        views = {f"{s}.{n}".lower() for s, n in views_of()}
+        opaque = {f"{s}.{n}".lower() for s, n in views_of()}
+        if dialect == "postgres":
+            secured = getattr(views_of, "secured", None)
+            if secured is None:
+                return True
+            opaque |= secured()
     except Exception:  # the catalogue unreadable: not proven
         return True
-    return bool(views & {t.lower() for t in tables})
+    return bool(opaque & {t.lower() for t in tables})
 
 
 _WRITE_KINDS = ("Insert", "Update", "Delete", "Merge", "Create", "Drop", "Alter", "TruncateTable", "Command")

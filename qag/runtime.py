@@ -141,6 +141,7 @@ class CachedViews:
     views: dict
     read_at: float
     ancestors: dict | None = None    # {(schema, table) lowercased: ancestors lowercased}, read on first use
+    secured: frozenset | None = None  # "schema.table" lowercased of tables with row-level security, on first use
 
 
 @dataclass(slots=True)
@@ -357,8 +358,19 @@ class Runtime:
                 cached.ancestors = {(s.lower(), t.lower()): tuple((a.lower(), b.lower()) for a, b in anc)
                                     for (s, t), anc in got.items()}
             return cached.ancestors
+        def secured_of() -> frozenset:
+            """{"schema.table"} (lowercased) of the tables with row-level security, read once per generation with
+            the views, when a plan reads a relation (connectors S5: such a read is never proven state-free)."""
+            views_of()
+            cached = self.views[conn_name]
+            if cached.secured is None:
+                read = getattr(connector, "row_secured", None)
+                got = read() if read is not None else set()
+                cached.secured = frozenset(f"{s}.{t}".lower() for s, t in got)
+            return cached.secured
         views_of.refresh = refresh
         views_of.ancestors = ancestors_of
+        views_of.secured = secured_of
         return views_of
 
     def plan(self, principal, query_name: str, version_no: int | None, connection_name: str | None = None):

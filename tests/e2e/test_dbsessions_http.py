@@ -25,6 +25,14 @@ def srv():
     pg_exec(dsn, "CREATE FUNCTION sneaky(p text) RETURNS text LANGUAGE sql AS "
                  "$$ SELECT set_config('search_path', p, false) || pg_advisory_lock(4343)::text $$")
     pg_exec(dsn, "CREATE VIEW settings_view AS SELECT set_config('search_path', 'from_view', false) AS s")
+    # row-level security whose policy changes the session: reading the table runs it, the statement names nothing
+    pg_exec(dsn, "CREATE FUNCTION policy_leak() RETURNS boolean LANGUAGE plpgsql AS "
+                 "$$ BEGIN PERFORM set_config('search_path', 'from_policy', false); RETURN true; END $$")
+    pg_exec(dsn, "CREATE TABLE notes (id int PRIMARY KEY)")
+    pg_exec(dsn, "INSERT INTO notes VALUES (1), (2)")
+    pg_exec(dsn, "ALTER TABLE notes ENABLE ROW LEVEL SECURITY")
+    pg_exec(dsn, "CREATE POLICY notes_leak ON notes FOR SELECT USING (policy_leak())")
+    pg_exec(dsn, "GRANT SELECT ON notes TO qag_dbsess_plain")
     s = start_server({"QAG_QUERY_TIMEOUT": "5"})
     conns = {"su": {"user": "postgres"}, "plain": {"user": "qag_dbsess_plain"}}
     for name, extra in conns.items():
@@ -44,6 +52,8 @@ def srv():
         "setpath": ("su", "SELECT sneaky(:p) AS s", {"p": "str"}),
         "getpath": ("su", "SELECT current_setting('search_path') AS sp", {}),
         "viewpath": ("su", "SELECT s FROM settings_view", {}),
+        "notes": ("plain", "SELECT id FROM notes ORDER BY id", {}),
+        "getpath_plain": ("plain", "SELECT current_setting('search_path') AS sp", {}),
         "email_su": ("su", "SELECT id, email FROM customers WHERE id = :id", {"id": "int"}),
         "email_plain": ("plain", "SELECT id, email FROM customers WHERE id = :id", {"id": "int"}),
     }
@@ -56,6 +66,8 @@ def srv():
         "masked": post(s, "/api/v1/api-keys", {"name": "masked", "queries": ["email_su", "email_plain"],
                                                "connections": ["su", "plain"],
                                                "mask": [{"column": "customers.email", "action": "mask"}]})["secret"],
+        "notes": post(s, "/api/v1/api-keys", {"name": "notes", "queries": ["notes", "getpath_plain"],
+                                              "connections": ["plain"]})["secret"],
     }
     yield s
     s.stop()
@@ -112,6 +124,16 @@ def test_session_settings_of_one_call_are_gone_for_the_next(srv):
     for _ in range(12):
         assert get(srv, "/q/viewpath", srv.keys["plain"]).json() == [{"s": "from_view"}]
     assert {get(srv, "/q/getpath", srv.keys["plain"]).json()[0]["sp"] for _ in range(24)} == {'"$user", public'}
+
+
+def test_a_read_of_a_table_with_row_security_is_reset_after(srv):
+    """Row-level security's policies run on every read of the table (the connection's role is not its owner, so
+    they apply): a policy that changes the session is code the statement does not name, like a view's, and the
+    read is not proven state-free."""
+    for _ in range(12):
+        assert get(srv, "/q/notes", srv.keys["notes"]).json() == [{"id": 1}, {"id": 2}]
+    paths = {get(srv, "/q/getpath_plain", srv.keys["notes"]).json()[0]["sp"] for _ in range(24)}
+    assert paths == {'"$user", public'}
 
 
 def test_privileged_connection_is_flagged_and_refused_to_governed_keys(srv):
